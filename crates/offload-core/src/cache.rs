@@ -1,0 +1,447 @@
+//! [`BlockCache`]: the pool, the prefix index and the eviction policy kept consistent.
+//!
+//! Invariants (checked by the property tests below after every operation):
+//! - a block is `Free` iff it is on the free list; a free block is neither indexed nor
+//!   evictable and has no pins;
+//! - an indexed block is `Pending` or `Ready`, and the index maps its key back to it;
+//! - a block is evictable iff it is `Ready` with no pins, so pinned and in-flight blocks
+//!   are never evicted;
+//! - `Pending` blocks hold the pin of the store that fills them and are never returned
+//!   by lookups;
+//! - `Detached` blocks are pinned, unindexed, and go back to the free list when the last
+//!   pin is dropped.
+
+use crate::events::{EventBuffer, KvEvent};
+use crate::evict::{EvictionPolicy, Lru};
+use crate::index::{BlockHash, BlockKey, PrefixIndex};
+use crate::pool::{BlockId, BlockPool, BlockState, PoolError};
+
+/// CPU-side block bookkeeping of one rank: ids, keys, pins and eviction order.
+///
+/// # Examples
+/// ```
+/// use offload_core::{BlockCache, BlockHash, BlockKey};
+///
+/// let mut cache = BlockCache::new(1, false);
+/// let key = BlockKey::new(0, BlockHash(42));
+/// let block = cache.reserve(key).expect("a free block");
+/// assert_eq!(cache.ready_prefix(0, &[BlockHash(42)]), 0); // store still in flight
+/// cache.publish(block).unwrap();
+/// assert_eq!(cache.ready_prefix(0, &[BlockHash(42)]), 1);
+/// ```
+#[derive(Debug)]
+pub struct BlockCache<P: EvictionPolicy = Lru> {
+    pool: BlockPool,
+    index: PrefixIndex,
+    policy: P,
+    events: EventBuffer,
+    evicted: u64,
+}
+
+impl BlockCache<Lru> {
+    /// A cache of `capacity` blocks with LRU eviction; KV events are buffered when
+    /// `events` is true.
+    pub fn new(capacity: u32, events: bool) -> Self {
+        Self::with_policy(capacity, Lru::new(capacity), events)
+    }
+}
+
+impl<P: EvictionPolicy> BlockCache<P> {
+    /// A cache of `capacity` blocks evicting with `policy`.
+    pub fn with_policy(capacity: u32, policy: P, events: bool) -> Self {
+        Self {
+            pool: BlockPool::new(capacity),
+            index: PrefixIndex::with_capacity(capacity as usize),
+            policy,
+            events: EventBuffer::new(events),
+            evicted: 0,
+        }
+    }
+
+    /// Number of CPU blocks.
+    pub fn capacity(&self) -> u32 {
+        self.pool.capacity()
+    }
+
+    /// The underlying pool, read-only.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// The underlying index, read-only.
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// Number of blocks that can be evicted right now.
+    pub fn num_evictable(&self) -> usize {
+        self.policy.len()
+    }
+
+    /// Blocks evicted since construction.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    /// How many leading `hashes` of `group` are on CPU with completed stores.
+    #[inline]
+    pub fn ready_prefix(&self, group: u32, hashes: &[BlockHash]) -> usize {
+        let pool = &self.pool;
+        self.index
+            .longest_prefix(group, hashes, |b| pool.state(b) == Some(BlockState::Ready))
+    }
+
+    /// The block stored under `key` if its store has completed.
+    #[inline]
+    pub fn get_ready(&self, key: &BlockKey) -> Option<BlockId> {
+        self.index
+            .get(key)
+            .filter(|b| self.pool.state(*b) == Some(BlockState::Ready))
+    }
+
+    /// Whether `key` is on CPU or being stored.
+    #[inline]
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.index.contains(key)
+    }
+
+    /// Pins a block so it is neither evicted nor freed until [`Self::unpin`].
+    pub fn pin(&mut self, block: BlockId) -> Result<(), PoolError> {
+        if self.pool.pin(block)? == 1 {
+            self.policy.remove(block);
+        }
+        Ok(())
+    }
+
+    /// Drops a pin. A `Ready` block with no pins becomes the most recently used
+    /// evictable block; a `Detached` one returns to the free list.
+    pub fn unpin(&mut self, block: BlockId) -> Result<(), PoolError> {
+        if self.pool.unpin(block)? == 0 {
+            match self.pool.state(block) {
+                Some(BlockState::Ready) => self.policy.insert(block),
+                Some(BlockState::Detached) => self.pool.release(block)?,
+                // A pending block's last pin is its store's; `publish`/`abort` handle it.
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes a block for a new store of `key`, evicting the least recently used block
+    /// when none is free. The block comes back `Pending`, indexed (so the same key is
+    /// not stored twice) and pinned by the store. `None` when every block is pinned or
+    /// in flight, or when `key` is present already.
+    pub fn reserve(&mut self, key: BlockKey) -> Option<BlockId> {
+        if self.index.contains(&key) {
+            return None;
+        }
+        if self.pool.num_free() == 0 {
+            let victim = self.policy.pop_victim()?;
+            self.drop_ready(victim);
+        }
+        let block = self.pool.alloc()?;
+        // The id came from the pool, so it is in range.
+        self.pool.set_key(block, key).ok()?;
+        self.index.insert(key, block);
+        Some(block)
+    }
+
+    /// Marks a completed store's block `Ready` and drops the store's pin.
+    pub fn publish(&mut self, block: BlockId) -> Result<(), PoolError> {
+        if self.pool.state(block) == Some(BlockState::Pending) {
+            self.pool.set_state(block, BlockState::Ready)?;
+        }
+        self.unpin(block)
+    }
+
+    /// Drops a failed store's block from the index and releases the store's pin.
+    pub fn abort(&mut self, block: BlockId) -> Result<(), PoolError> {
+        if self.pool.state(block) == Some(BlockState::Pending) {
+            self.detach(block)?;
+        }
+        self.unpin(block)
+    }
+
+    /// Drops every block from the index: unpinned blocks are freed at once, pinned ones
+    /// when their transfers finish. Nothing stored before the reset is served after it.
+    pub fn clear(&mut self) {
+        for block in 0..self.pool.capacity() {
+            match (self.pool.state(block), self.pool.ref_count(block)) {
+                (Some(BlockState::Ready), Some(0)) => {
+                    self.policy.remove(block);
+                    // In range and unpinned: release cannot fail.
+                    let _ = self.pool.release(block);
+                }
+                (Some(BlockState::Ready | BlockState::Pending), _) => {
+                    let _ = self.pool.set_state(block, BlockState::Detached);
+                }
+                _ => {}
+            }
+        }
+        self.index.clear();
+        self.policy.clear();
+        self.events.push(KvEvent::AllCleared);
+    }
+
+    /// The event buffer (the planner adds store events).
+    pub fn events_mut(&mut self) -> &mut EventBuffer {
+        &mut self.events
+    }
+
+    /// Takes the buffered events.
+    pub fn drain_events(&mut self) -> Vec<KvEvent> {
+        self.events.drain()
+    }
+
+    fn detach(&mut self, block: BlockId) -> Result<(), PoolError> {
+        if let Some(key) = self.pool.key(block) {
+            if self.index.get(&key) == Some(block) {
+                self.index.remove(&key);
+            }
+        }
+        self.pool.set_state(block, BlockState::Detached)
+    }
+
+    fn drop_ready(&mut self, victim: BlockId) {
+        if let Some(key) = self.pool.key(victim) {
+            self.index.remove(&key);
+            self.events.push_removed(key.group, key.hash);
+        }
+        self.evicted += 1;
+        // Victims come from the policy, which only holds unpinned ready blocks.
+        let _ = self.pool.set_state(victim, BlockState::Detached);
+        let _ = self.pool.release(victim);
+    }
+
+    /// Checks every invariant in the module docs; for tests and debug assertions.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut indexed = 0usize;
+        let mut free = 0usize;
+        for b in 0..self.pool.capacity() {
+            let state = self.pool.state(b).ok_or("state out of range")?;
+            let refs = self.pool.ref_count(b).ok_or("ref count out of range")?;
+            let key = self.pool.key(b).ok_or("key out of range")?;
+            let in_index = self.index.get(&key) == Some(b);
+            let evictable = self.policy.contains(b);
+            match state {
+                BlockState::Free => {
+                    free += 1;
+                    if refs != 0 || in_index || evictable {
+                        return Err(format!("free block {b}: refs {refs}, indexed {in_index}, evictable {evictable}"));
+                    }
+                }
+                BlockState::Pending => {
+                    indexed += 1;
+                    if refs == 0 || !in_index || evictable {
+                        return Err(format!("pending block {b}: refs {refs}, indexed {in_index}, evictable {evictable}"));
+                    }
+                }
+                BlockState::Ready => {
+                    indexed += 1;
+                    if !in_index || evictable != (refs == 0) {
+                        return Err(format!("ready block {b}: refs {refs}, indexed {in_index}, evictable {evictable}"));
+                    }
+                }
+                BlockState::Detached => {
+                    if refs == 0 || in_index || evictable {
+                        return Err(format!("detached block {b}: refs {refs}, indexed {in_index}, evictable {evictable}"));
+                    }
+                }
+            }
+        }
+        if indexed != self.index.len() {
+            return Err(format!(
+                "index holds {} keys but {indexed} blocks are indexed",
+                self.index.len()
+            ));
+        }
+        if free != self.pool.num_free() {
+            return Err(format!(
+                "{free} free blocks but free list holds {}",
+                self.pool.num_free()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn key(h: u128) -> BlockKey {
+        BlockKey::new(0, BlockHash(h))
+    }
+
+    #[test]
+    fn full_pool_evicts_least_recently_used_ready_block() {
+        let mut cache = BlockCache::new(2, true);
+        let a = cache.reserve(key(1)).unwrap();
+        let b = cache.reserve(key(2)).unwrap();
+        cache.publish(a).unwrap();
+        cache.publish(b).unwrap();
+        let c = cache.reserve(key(3)).unwrap();
+        assert_eq!(c, a);
+        assert!(!cache.contains(&key(1)));
+        assert_eq!(
+            cache.drain_events(),
+            vec![KvEvent::Removed {
+                group: 0,
+                hashes: vec![BlockHash(1)]
+            }]
+        );
+        cache.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn pinned_and_pending_blocks_are_never_evicted() {
+        let mut cache = BlockCache::new(2, false);
+        let a = cache.reserve(key(1)).unwrap();
+        cache.publish(a).unwrap();
+        cache.pin(a).unwrap();
+        let _pending = cache.reserve(key(2)).unwrap();
+        assert!(cache.reserve(key(3)).is_none());
+        cache.unpin(a).unwrap();
+        assert_eq!(cache.reserve(key(3)), Some(a));
+    }
+
+    #[test]
+    fn duplicate_keys_are_not_reserved_twice() {
+        let mut cache = BlockCache::new(2, false);
+        cache.reserve(key(1)).unwrap();
+        assert!(cache.reserve(key(1)).is_none());
+    }
+
+    #[test]
+    fn aborted_store_is_never_served_and_frees_its_block() {
+        let mut cache = BlockCache::new(1, false);
+        let a = cache.reserve(key(1)).unwrap();
+        cache.abort(a).unwrap();
+        assert_eq!(cache.ready_prefix(0, &[BlockHash(1)]), 0);
+        assert_eq!(cache.pool().num_free(), 1);
+        cache.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn clear_frees_idle_blocks_and_detaches_busy_ones() {
+        let mut cache = BlockCache::new(3, true);
+        let idle = cache.reserve(key(1)).unwrap();
+        cache.publish(idle).unwrap();
+        let loading = cache.reserve(key(2)).unwrap();
+        cache.publish(loading).unwrap();
+        cache.pin(loading).unwrap();
+        let storing = cache.reserve(key(3)).unwrap();
+        cache.clear();
+        cache.check_invariants().unwrap();
+        assert_eq!(cache.pool().num_free(), 1);
+        assert_eq!(cache.ready_prefix(0, &[BlockHash(2)]), 0);
+        // The late store completion must not publish into the new epoch.
+        cache.publish(storing).unwrap();
+        assert_eq!(cache.ready_prefix(0, &[BlockHash(3)]), 0);
+        cache.unpin(loading).unwrap();
+        assert_eq!(cache.pool().num_free(), 3);
+        cache.check_invariants().unwrap();
+        assert_eq!(cache.drain_events(), vec![KvEvent::AllCleared]);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Reserve(u8),
+        Publish(u8),
+        Abort(u8),
+        Lookup(u8),
+        Release(u8),
+        Clear,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => any::<u8>().prop_map(Op::Reserve),
+            4 => any::<u8>().prop_map(Op::Publish),
+            1 => any::<u8>().prop_map(Op::Abort),
+            4 => any::<u8>().prop_map(Op::Lookup),
+            4 => any::<u8>().prop_map(Op::Release),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Random stores, completions, pinned lookups, releases and resets against a
+        /// model of which keys are servable and how many pins each block holds.
+        #[test]
+        fn cache_keeps_its_invariants(ops in proptest::collection::vec(op(), 1..300)) {
+            const CAP: u32 = 8;
+            let mut cache = BlockCache::new(CAP, true);
+            // Model: in-flight stores (block -> key), pins held by lookups, servable keys.
+            let mut storing: Vec<(BlockId, BlockKey)> = Vec::new();
+            let mut lookup_pins: Vec<BlockId> = Vec::new();
+            let mut servable: HashSet<BlockKey> = HashSet::new();
+            for op in ops {
+                match op {
+                    Op::Reserve(k) => {
+                        let k = key(u128::from(k % 24));
+                        let present = cache.contains(&k);
+                        match cache.reserve(k) {
+                            Some(b) => {
+                                prop_assert!(!present);
+                                prop_assert!(storing.iter().all(|(x, _)| *x != b));
+                                prop_assert!(!lookup_pins.contains(&b));
+                                storing.push((b, k));
+                            }
+                            None => {
+                                let all_busy = storing.len() + lookup_pins.iter().collect::<HashSet<_>>().len() >= CAP as usize;
+                                prop_assert!(present || all_busy || cache.num_evictable() == 0);
+                            }
+                        }
+                    }
+                    Op::Publish(i) | Op::Abort(i) if !storing.is_empty() => {
+                        let (b, k) = storing.remove(usize::from(i) % storing.len());
+                        let indexed = cache.index().get(&k) == Some(b);
+                        if matches!(op, Op::Publish(_)) {
+                            cache.publish(b).unwrap();
+                            if indexed { servable.insert(k); }
+                        } else {
+                            cache.abort(b).unwrap();
+                        }
+                    }
+                    Op::Lookup(k) => {
+                        let k = key(u128::from(k % 24));
+                        if let Some(b) = cache.get_ready(&k) {
+                            prop_assert!(servable.contains(&k), "served a key whose store did not complete");
+                            cache.pin(b).unwrap();
+                            lookup_pins.push(b);
+                        }
+                    }
+                    Op::Release(i) if !lookup_pins.is_empty() => {
+                        let b = lookup_pins.remove(usize::from(i) % lookup_pins.len());
+                        cache.unpin(b).unwrap();
+                    }
+                    Op::Clear => {
+                        cache.clear();
+                        servable.clear();
+                    }
+                    _ => {}
+                }
+                // Evictions silently drop servable keys; keep the model in step.
+                servable.retain(|k| cache.get_ready(k).is_some());
+                if let Err(e) = cache.check_invariants() {
+                    prop_assert!(false, "{}", e);
+                }
+                let mut pins: HashMap<BlockId, u32> = HashMap::new();
+                for b in &lookup_pins { *pins.entry(*b).or_default() += 1; }
+                for (b, _) in &storing { *pins.entry(*b).or_default() += 1; }
+                for b in 0..CAP {
+                    prop_assert_eq!(cache.pool().ref_count(b).unwrap(), pins.get(&b).copied().unwrap_or(0));
+                }
+                prop_assert!(cache.pool().num_free() <= CAP as usize);
+            }
+        }
+    }
+}

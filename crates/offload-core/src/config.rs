@@ -1,0 +1,371 @@
+//! [`OffloadConfig`]: the connector's settings, parsed from `kv_connector_extra_config`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::error::ConfigError;
+
+/// Key: total CPU bytes for offloaded KV across all ranks.
+pub const KEY_CPU_BYTES: &str = "cpu_bytes_to_use";
+/// Key: CPU bytes for offloaded KV on each rank; wins over [`KEY_CPU_BYTES`].
+pub const KEY_CPU_BYTES_PER_RANK: &str = "cpu_bytes_to_use_per_rank";
+/// Key: store blocks only when they near eviction from the GPU instead of eagerly.
+pub const KEY_LAZY: &str = "lazy_offload";
+
+/// The default total budget when neither byte key is given: 8 GiB.
+pub const DEFAULT_CPU_BYTES: u64 = 8 << 30;
+
+/// One value of the key/value map, as it arrives from JSON or Python.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ConfigValue {
+    /// An integer.
+    Int(i128),
+    /// A floating point number; accepted for byte sizes only when integral (`6.4e10`).
+    Float(f64),
+    /// A boolean.
+    Bool(bool),
+    /// A string; accepted for byte sizes when it is a plain decimal integer.
+    Str(String),
+    /// `null` / `None`.
+    Null,
+    /// Any other type; the string is its type name, for the error message.
+    Other(String),
+}
+
+impl fmt::Display for ConfigValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Int(v) => write!(f, "{v} (int)"),
+            Self::Float(v) => write!(f, "{v} (float)"),
+            Self::Bool(v) => write!(f, "{v} (bool)"),
+            Self::Str(v) => write!(f, "{v:?} (str)"),
+            Self::Null => f.write_str("None"),
+            Self::Other(t) => write!(f, "a value of type {t}"),
+        }
+    }
+}
+
+/// Validated offload settings for one rank.
+///
+/// # Examples
+/// ```
+/// use std::collections::BTreeMap;
+/// use offload_core::{ConfigValue, OffloadConfig};
+///
+/// let mut map = BTreeMap::new();
+/// map.insert("cpu_bytes_to_use".to_string(), ConfigValue::Int(4 << 30));
+/// map.insert("lazy_offload".to_string(), ConfigValue::Bool(true));
+/// let parsed = OffloadConfig::from_map(&map, 2).unwrap();
+/// assert_eq!(parsed.config.cpu_bytes_per_rank, 2 << 30);
+/// assert!(parsed.config.lazy_offload);
+/// assert!(parsed.warnings.is_empty());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OffloadConfig {
+    /// Bytes of host memory this rank may use for offloaded blocks.
+    pub cpu_bytes_per_rank: u64,
+    /// Lazy mode: offload blocks as they near eviction from the GPU.
+    pub lazy_offload: bool,
+    /// Number of ranks that must report a store before its blocks are published.
+    pub world_size: u32,
+}
+
+/// The result of parsing: the config plus warnings the caller should log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedConfig {
+    /// The validated config.
+    pub config: OffloadConfig,
+    /// Non-fatal findings (unknown keys, disagreeing byte budgets).
+    pub warnings: Vec<String>,
+}
+
+impl OffloadConfig {
+    /// Parses and validates the connector's extra config for one rank of `world_size`.
+    ///
+    /// Unknown keys produce warnings, never errors, so configs written for other
+    /// offloaders keep working; keys starting with `kvoffload.` are reserved for
+    /// this crate's callers (test switches) and are passed over silently.
+    pub fn from_map(
+        map: &BTreeMap<String, ConfigValue>,
+        world_size: u32,
+    ) -> Result<ParsedConfig, ConfigError> {
+        if world_size == 0 {
+            return Err(ConfigError::InvalidGeometry {
+                what: "world_size",
+                value: 0,
+                reason: "must be at least 1",
+            });
+        }
+        let mut warnings = Vec::new();
+        let total = map
+            .get(KEY_CPU_BYTES)
+            .filter(|v| **v != ConfigValue::Null)
+            .map(|v| parse_bytes(KEY_CPU_BYTES, v))
+            .transpose()?;
+        let per_rank = map
+            .get(KEY_CPU_BYTES_PER_RANK)
+            .filter(|v| **v != ConfigValue::Null)
+            .map(|v| parse_bytes(KEY_CPU_BYTES_PER_RANK, v))
+            .transpose()?;
+        let lazy_offload = match map.get(KEY_LAZY) {
+            None | Some(ConfigValue::Null) => false,
+            Some(v) => parse_bool(KEY_LAZY, v)?,
+        };
+        let cpu_bytes_per_rank = match (per_rank, total) {
+            (Some(p), Some(t)) => {
+                let split = t / u64::from(world_size);
+                if split != p {
+                    warnings.push(format!(
+                        "{KEY_CPU_BYTES_PER_RANK}={p} disagrees with {KEY_CPU_BYTES}={t} \
+                         split over {world_size} rank(s) ({split}); using {p} per rank"
+                    ));
+                }
+                p
+            }
+            (Some(p), None) => p,
+            (None, Some(t)) => split_total(t, world_size)?,
+            (None, None) => split_total(DEFAULT_CPU_BYTES, world_size)?,
+        };
+        for key in map.keys() {
+            let known = [KEY_CPU_BYTES, KEY_CPU_BYTES_PER_RANK, KEY_LAZY];
+            if !known.contains(&key.as_str()) && !key.starts_with("kvoffload.") {
+                warnings.push(format!("unknown kvoffload config key `{key}` is ignored"));
+            }
+        }
+        for w in &warnings {
+            log::warn!("{w}");
+        }
+        Ok(ParsedConfig {
+            config: Self {
+                cpu_bytes_per_rank,
+                lazy_offload,
+                world_size,
+            },
+            warnings,
+        })
+    }
+
+    /// How many CPU blocks of `bytes_per_block` fit this rank's budget.
+    ///
+    /// Scheduler and workers both call this with the same per-block size, so neither
+    /// plans past what the other allocated.
+    pub fn num_cpu_blocks(&self, bytes_per_block: u64) -> Result<u32, ConfigError> {
+        if bytes_per_block == 0 {
+            return Err(ConfigError::InvalidGeometry {
+                what: "bytes_per_block",
+                value: 0,
+                reason: "a KV block cannot be empty",
+            });
+        }
+        let n = self.cpu_bytes_per_rank / bytes_per_block;
+        // Block ids are u32 with one value reserved as a list sentinel.
+        Ok(u32::try_from(n).unwrap_or(u32::MAX - 1).min(u32::MAX - 1))
+    }
+}
+
+fn split_total(total: u64, world_size: u32) -> Result<u64, ConfigError> {
+    let per_rank = total / u64::from(world_size);
+    if per_rank == 0 {
+        return Err(ConfigError::InvalidValue {
+            key: KEY_CPU_BYTES.to_string(),
+            value: total.to_string(),
+            reason: "less than one byte per rank after splitting over the world size",
+        });
+    }
+    Ok(per_rank)
+}
+
+fn parse_bytes(key: &str, value: &ConfigValue) -> Result<u64, ConfigError> {
+    let invalid = |reason| ConfigError::InvalidValue {
+        key: key.to_string(),
+        value: value.to_string(),
+        reason,
+    };
+    let n: i128 = match value {
+        ConfigValue::Int(v) => *v,
+        ConfigValue::Float(v) => {
+            if !v.is_finite() || v.fract() != 0.0 {
+                return Err(invalid("must be a whole number of bytes"));
+            }
+            if v.abs() > 1e30 {
+                return Err(invalid("too large"));
+            }
+            // Integral and bounded, so the conversion is exact.
+            *v as i128
+        }
+        ConfigValue::Str(s) => s
+            .trim()
+            .replace('_', "")
+            .parse::<i128>()
+            .map_err(|_| invalid("must be a whole number of bytes"))?,
+        ConfigValue::Bool(_) | ConfigValue::Null | ConfigValue::Other(_) => {
+            return Err(ConfigError::WrongType {
+                key: key.to_string(),
+                expected: "a positive integer number of bytes",
+                got: value.to_string(),
+            })
+        }
+    };
+    if n <= 0 {
+        return Err(invalid("must be a positive number of bytes"));
+    }
+    u64::try_from(n).map_err(|_| invalid("too large"))
+}
+
+fn parse_bool(key: &str, value: &ConfigValue) -> Result<bool, ConfigError> {
+    match value {
+        ConfigValue::Bool(b) => Ok(*b),
+        ConfigValue::Str(s) => match s.trim().to_ascii_lowercase().as_str() {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(ConfigError::InvalidValue {
+                key: key.to_string(),
+                value: value.to_string(),
+                reason: "must be true or false",
+            }),
+        },
+        _ => Err(ConfigError::WrongType {
+            key: key.to_string(),
+            expected: "a bool",
+            got: value.to_string(),
+        }),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn parse(pairs: &[(&str, ConfigValue)], world: u32) -> Result<ParsedConfig, ConfigError> {
+        let map = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        OffloadConfig::from_map(&map, world)
+    }
+
+    #[test]
+    fn defaults_split_eight_gib_over_ranks() {
+        let p = parse(&[], 4).unwrap();
+        assert_eq!(p.config.cpu_bytes_per_rank, 2 << 30);
+        assert!(!p.config.lazy_offload);
+        assert_eq!(p.config.world_size, 4);
+    }
+
+    #[test]
+    fn per_rank_wins_and_warns_on_disagreement() {
+        let p = parse(
+            &[
+                (KEY_CPU_BYTES, ConfigValue::Int(1000)),
+                (KEY_CPU_BYTES_PER_RANK, ConfigValue::Int(300)),
+            ],
+            2,
+        )
+        .unwrap();
+        assert_eq!(p.config.cpu_bytes_per_rank, 300);
+        assert_eq!(p.warnings.len(), 1);
+        assert!(p.warnings[0].contains(KEY_CPU_BYTES_PER_RANK));
+    }
+
+    #[test]
+    fn agreeing_budgets_do_not_warn() {
+        let p = parse(
+            &[
+                (KEY_CPU_BYTES, ConfigValue::Int(1000)),
+                (KEY_CPU_BYTES_PER_RANK, ConfigValue::Int(500)),
+            ],
+            2,
+        )
+        .unwrap();
+        assert!(p.warnings.is_empty());
+    }
+
+    #[test]
+    fn integral_floats_and_digit_strings_are_bytes() {
+        let p = parse(&[(KEY_CPU_BYTES, ConfigValue::Float(6.4e10))], 1).unwrap();
+        assert_eq!(p.config.cpu_bytes_per_rank, 64_000_000_000);
+        let p = parse(&[(KEY_CPU_BYTES, ConfigValue::Str("1_000".into()))], 1).unwrap();
+        assert_eq!(p.config.cpu_bytes_per_rank, 1000);
+    }
+
+    #[test]
+    fn every_bad_byte_value_names_key_and_value() {
+        let bad = [
+            ConfigValue::Int(-5),
+            ConfigValue::Int(0),
+            ConfigValue::Float(1.5),
+            ConfigValue::Float(f64::NAN),
+            ConfigValue::Str("abc".into()),
+            ConfigValue::Bool(true),
+            ConfigValue::Other("list".into()),
+            ConfigValue::Int(i128::from(u64::MAX) + 1),
+        ];
+        for key in [KEY_CPU_BYTES, KEY_CPU_BYTES_PER_RANK] {
+            for v in &bad {
+                let err = parse(&[(key, v.clone())], 1).unwrap_err();
+                let msg = err.to_string();
+                assert!(msg.contains(key), "{msg}");
+                let shown = match v {
+                    ConfigValue::Other(t) => t.clone(),
+                    ConfigValue::Str(s) => s.clone(),
+                    ConfigValue::Float(f) => f.to_string(),
+                    ConfigValue::Int(i) => i.to_string(),
+                    ConfigValue::Bool(b) => b.to_string(),
+                    ConfigValue::Null => unreachable!(),
+                };
+                assert!(msg.contains(&shown), "{msg} lacks {shown}");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_lazy_values_name_the_key() {
+        for v in [
+            ConfigValue::Int(1),
+            ConfigValue::Str("yes".into()),
+            ConfigValue::Other("dict".into()),
+        ] {
+            let msg = parse(&[(KEY_LAZY, v)], 1).unwrap_err().to_string();
+            assert!(msg.contains(KEY_LAZY), "{msg}");
+        }
+        assert!(
+            parse(&[(KEY_LAZY, ConfigValue::Str("TRUE".into()))], 1)
+                .unwrap()
+                .config
+                .lazy_offload
+        );
+    }
+
+    #[test]
+    fn unknown_keys_warn_but_parse() {
+        let p = parse(&[("cpu_bytes", ConfigValue::Int(1))], 1).unwrap();
+        assert_eq!(p.warnings.len(), 1);
+        assert!(p.warnings[0].contains("cpu_bytes"));
+        let p = parse(&[("kvoffload.fault.fail_loads", ConfigValue::Int(1))], 1).unwrap();
+        assert!(p.warnings.is_empty());
+    }
+
+    #[test]
+    fn total_too_small_for_world_is_an_error() {
+        let msg = parse(&[(KEY_CPU_BYTES, ConfigValue::Int(3))], 4)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains(KEY_CPU_BYTES));
+    }
+
+    #[test]
+    fn world_size_zero_is_rejected() {
+        assert!(parse(&[], 0).is_err());
+    }
+
+    #[test]
+    fn block_count_divides_budget() {
+        let c = parse(&[(KEY_CPU_BYTES, ConfigValue::Int(1000))], 1)
+            .unwrap()
+            .config;
+        assert_eq!(c.num_cpu_blocks(300).unwrap(), 3);
+        assert_eq!(c.num_cpu_blocks(2000).unwrap(), 0);
+        assert!(c.num_cpu_blocks(0).is_err());
+    }
+}

@@ -1,0 +1,73 @@
+//! Error types of the engine, one enum per concern.
+
+use thiserror::Error;
+
+/// An invalid value in the offload configuration.
+///
+/// Every variant names the key and the offending value, so an operator can find the
+/// mistake in `kv_connector_extra_config` without reading code.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ConfigError {
+    /// The value has a type the key does not accept (a bool where bytes are expected, a list, ...).
+    #[error("kvoffload config key `{key}`: expected {expected}, got {got}")]
+    WrongType {
+        /// The configuration key.
+        key: String,
+        /// What the key accepts.
+        expected: &'static str,
+        /// The value that was given, with its type.
+        got: String,
+    },
+    /// The value has the right type but is out of range (zero, negative, not an integer).
+    #[error("kvoffload config key `{key}`: invalid value {value}: {reason}")]
+    InvalidValue {
+        /// The configuration key.
+        key: String,
+        /// The value that was given.
+        value: String,
+        /// Why it is rejected.
+        reason: &'static str,
+    },
+    /// A value that is not part of any key (world size, block geometry) is out of range.
+    #[error("kvoffload: invalid {what}: {value} ({reason})")]
+    InvalidGeometry {
+        /// What was invalid (for example `world_size`).
+        what: &'static str,
+        /// The value that was given.
+        value: u64,
+        /// Why it is rejected.
+        reason: &'static str,
+    },
+}
+
+/// A caller broke the planner's protocol (unknown request, ids out of range, ...).
+///
+/// These are bugs in the embedding code or malformed input; the planner state is left
+/// unchanged when one is returned.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum PlanError {
+    /// A request id the planner has never seen, or one that already finished.
+    #[error("unknown request `{0}`")]
+    UnknownRequest(String),
+    /// A block hash could not be turned into a key.
+    #[error("invalid block hash for request `{req}` at block {index}: {reason}")]
+    InvalidHash {
+        /// The request the hash belongs to.
+        req: String,
+        /// The position of the hash in the request.
+        index: usize,
+        /// Why it is rejected.
+        reason: &'static str,
+    },
+    /// A GPU block id is negative or does not fit the id type.
+    #[error("invalid GPU block id {id} for request `{req}`")]
+    InvalidGpuBlock {
+        /// The request the id belongs to.
+        req: String,
+        /// The offending id.
+        id: i64,
+    },
+    /// A completion names a transfer the planner did not issue or already retired.
+    #[error("unknown transfer id {0}")]
+    UnknownTransfer(u64),
+}

@@ -1,0 +1,88 @@
+//! `parse_config` and the `OffloadConfig` class.
+
+use std::collections::BTreeMap;
+
+use offload_core::OffloadConfig;
+use pyo3::prelude::*;
+use pyo3::types::PyMapping;
+
+use crate::convert::{config_value, type_name};
+use crate::errors::{config_err, CONFIG_ERROR};
+
+/// Validated settings of one rank.
+#[pyclass(module = "kvoffload._native", name = "OffloadConfig", frozen)]
+#[derive(Debug, Clone)]
+pub(crate) struct PyOffloadConfig {
+    pub(crate) inner: OffloadConfig,
+}
+
+#[pymethods]
+impl PyOffloadConfig {
+    #[getter]
+    fn cpu_bytes_per_rank(&self) -> u64 {
+        self.inner.cpu_bytes_per_rank
+    }
+
+    #[getter]
+    fn lazy_offload(&self) -> bool {
+        self.inner.lazy_offload
+    }
+
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.inner.world_size
+    }
+
+    fn num_cpu_blocks(&self, bytes_per_block: u64) -> PyResult<u32> {
+        self.inner
+            .num_cpu_blocks(bytes_per_block)
+            .map_err(config_err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "OffloadConfig(cpu_bytes_per_rank={}, lazy_offload={}, world_size={})",
+            self.inner.cpu_bytes_per_rank,
+            if self.inner.lazy_offload {
+                "True"
+            } else {
+                "False"
+            },
+            self.inner.world_size
+        )
+    }
+}
+
+/// Parses `kv_connector_extra_config` for one rank; returns the config and warnings.
+#[pyfunction]
+#[pyo3(signature = (extra, world_size))]
+pub(crate) fn parse_config(
+    extra: &Bound<'_, PyAny>,
+    world_size: i64,
+) -> PyResult<(PyOffloadConfig, Vec<String>)> {
+    let mut map = BTreeMap::new();
+    if !extra.is_none() {
+        let mapping = extra.cast::<PyMapping>().map_err(|_| {
+            CONFIG_ERROR.err(format!(
+                "kv_connector_extra_config must be a mapping, got {}",
+                type_name(extra)
+            ))
+        })?;
+        for item in mapping.items()?.iter() {
+            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            let key: String = k.extract().map_err(|_| {
+                CONFIG_ERROR.err(format!("config keys must be str, got {}", type_name(&k)))
+            })?;
+            map.insert(key, config_value(&v));
+        }
+    }
+    let world = u32::try_from(world_size)
+        .map_err(|_| CONFIG_ERROR.err(format!("kvoffload: invalid world_size: {world_size}")))?;
+    let parsed = OffloadConfig::from_map(&map, world).map_err(config_err)?;
+    Ok((
+        PyOffloadConfig {
+            inner: parsed.config,
+        },
+        parsed.warnings,
+    ))
+}

@@ -1,0 +1,113 @@
+//! Conversions between Python objects and core types.
+
+use offload_core::{BlockHash, ConfigValue};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyString};
+
+use crate::errors::INVALID_INPUT_ERROR;
+
+/// A Python value as a config value; types a key cannot take become `Other(type name)`.
+pub(crate) fn config_value(v: &Bound<'_, PyAny>) -> ConfigValue {
+    if v.is_none() {
+        ConfigValue::Null
+    } else if v.is_instance_of::<PyBool>() {
+        ConfigValue::Bool(v.is_truthy().unwrap_or(false))
+    } else if v.is_instance_of::<PyInt>() {
+        match v.extract::<i128>() {
+            Ok(i) => ConfigValue::Int(i),
+            Err(_) => ConfigValue::Other(format!("int {v}")),
+        }
+    } else if v.is_instance_of::<PyFloat>() {
+        v.extract::<f64>()
+            .map_or_else(|_| ConfigValue::Other("float".into()), ConfigValue::Float)
+    } else if let Ok(s) = v.cast::<PyString>() {
+        ConfigValue::Str(s.to_string())
+    } else {
+        let name = v
+            .get_type()
+            .name()
+            .map_or_else(|_| "unknown".to_string(), |n| n.to_string());
+        ConfigValue::Other(name)
+    }
+}
+
+/// One vLLM block hash (`bytes`) as a [`BlockHash`].
+pub(crate) fn block_hash(item: &Bound<'_, PyAny>, what: &str, index: usize) -> PyResult<BlockHash> {
+    let bytes = item.cast::<PyBytes>().map_err(|_| {
+        INVALID_INPUT_ERROR.err(format!(
+            "{what}[{index}]: block hash must be bytes, got {}",
+            type_name(item)
+        ))
+    })?;
+    BlockHash::from_bytes(bytes.as_bytes())
+        .ok_or_else(|| INVALID_INPUT_ERROR.err(format!("{what}[{index}]: empty block hash")))
+}
+
+/// `seq[from..]` as block hashes. Lists (what vLLM keeps) take a fast path.
+pub(crate) fn hashes_from(
+    seq: &Bound<'_, PyAny>,
+    from: usize,
+    what: &str,
+) -> PyResult<Vec<BlockHash>> {
+    if let Ok(list) = seq.cast::<PyList>() {
+        let n = list.len();
+        let mut out = Vec::with_capacity(n.saturating_sub(from));
+        for i in from..n {
+            out.push(block_hash(&list.get_item(i)?, what, i)?);
+        }
+        return Ok(out);
+    }
+    let n = seq.len().map_err(|_| {
+        INVALID_INPUT_ERROR.err(format!(
+            "{what}: expected a sequence of bytes, got {}",
+            type_name(seq)
+        ))
+    })?;
+    let mut out = Vec::with_capacity(n.saturating_sub(from));
+    for i in from..n {
+        out.push(block_hash(&seq.get_item(i)?, what, i)?);
+    }
+    Ok(out)
+}
+
+/// One block id: a non-negative int below 2**32 - 1.
+pub(crate) fn block_id(item: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
+    let v: i64 = item.extract().map_err(|_| {
+        INVALID_INPUT_ERROR.err(format!(
+            "{what}: block id must be an int, got {}",
+            type_name(item)
+        ))
+    })?;
+    u32::try_from(v)
+        .ok()
+        .filter(|v| *v != u32::MAX)
+        .ok_or_else(|| INVALID_INPUT_ERROR.err(format!("{what}: invalid block id {v}")))
+}
+
+/// A sequence of block ids (`None` is empty).
+pub(crate) fn block_ids(seq: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+    if seq.is_none() {
+        return Ok(Vec::new());
+    }
+    if let Ok(list) = seq.cast::<PyList>() {
+        return list.iter().map(|x| block_id(&x, what)).collect();
+    }
+    let iter = seq.try_iter().map_err(|_| {
+        INVALID_INPUT_ERROR.err(format!(
+            "{what}: expected a sequence of ints, got {}",
+            type_name(seq)
+        ))
+    })?;
+    iter.map(|x| block_id(&x?, what)).collect()
+}
+
+/// A non-negative token count.
+pub(crate) fn count(v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| INVALID_INPUT_ERROR.err(format!("{what} must be >= 0, got {v}")))
+}
+
+pub(crate) fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type()
+        .name()
+        .map_or_else(|_| "unknown".to_string(), |n| n.to_string())
+}

@@ -1,0 +1,20 @@
+//! `kvoffload._native`: thin PyO3 bindings over `offload-core`.
+//!
+//! Only type conversion and error mapping live here; every decision is in the core.
+
+mod config;
+mod convert;
+mod errors;
+mod planner;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<config::PyOffloadConfig>()?;
+    m.add_class::<planner::PyPlanner>()?;
+    m.add_function(wrap_pyfunction!(config::parse_config, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

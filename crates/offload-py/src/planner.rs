@@ -1,0 +1,366 @@
+//! The `Planner` class: the scheduler side, one call per vLLM connector call.
+
+use offload_core::{BlockKey, KvEvent, Planner, PlannerConfig, StepPlan};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyMapping, PyTuple};
+
+use crate::convert::{block_hash, block_id, block_ids, count, hashes_from};
+use crate::errors::{plan_err, INVALID_INPUT_ERROR};
+
+/// `(id, req_id, gpu_blocks, cpu_blocks, valid)`; block lists are little-endian u32 bytes.
+type LoadTuple<'py> = (u64, String, Bound<'py, PyBytes>, Bound<'py, PyBytes>, bool);
+/// `(id, gpu_blocks, cpu_blocks, req_ids)`; block lists are little-endian u32 bytes.
+type StoreTuple<'py> = (u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Vec<String>);
+
+/// Scheduler-side planner (see `offload_core::Planner`).
+#[pyclass(module = "kvoffload._native", name = "Planner")]
+#[derive(Debug)]
+pub(crate) struct PyPlanner {
+    inner: Planner,
+}
+
+pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
+    let mut buf = Vec::with_capacity(ids.len() * 4);
+    for id in ids {
+        buf.extend_from_slice(&id.to_le_bytes());
+    }
+    PyBytes::new(py, &buf)
+}
+
+fn hash_bytes<'py>(py: Python<'py>, h: offload_core::BlockHash) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &h.0.to_le_bytes())
+}
+
+#[pymethods]
+impl PyPlanner {
+    #[new]
+    #[pyo3(signature = (block_size, num_cpu_blocks, world_size = 1, lazy = false, events = false))]
+    fn new(
+        block_size: i64,
+        num_cpu_blocks: i64,
+        world_size: i64,
+        lazy: bool,
+        events: bool,
+    ) -> PyResult<Self> {
+        let pos = |v: i64, what: &str| {
+            u32::try_from(v)
+                .ok()
+                .filter(|v| *v > 0 || what == "num_cpu_blocks")
+                .ok_or_else(|| INVALID_INPUT_ERROR.err(format!("Planner: invalid {what}: {v}")))
+        };
+        Ok(Self {
+            inner: Planner::new(PlannerConfig {
+                block_size: pos(block_size, "block_size")?,
+                num_cpu_blocks: pos(num_cpu_blocks, "num_cpu_blocks")?,
+                world_size: pos(world_size, "world_size")?,
+                lazy,
+                events,
+            }),
+        })
+    }
+
+    /// Tokens loadable from CPU after the GPU hit; `block_hashes` is the request's
+    /// growing hash list (only entries not seen before are converted).
+    fn lookup(
+        &mut self,
+        req_id: &str,
+        block_hashes: &Bound<'_, PyAny>,
+        num_tokens: i64,
+        num_computed_tokens: i64,
+    ) -> PyResult<usize> {
+        let known = self.inner.num_hashes(req_id);
+        let new = hashes_from(block_hashes, known, "block_hashes")?;
+        let num_tokens = count(num_tokens, "num_tokens")?;
+        let num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")?;
+        self.inner.extend_hashes(req_id, new);
+        self.inner
+            .lookup(req_id, num_tokens, num_computed_tokens)
+            .map_err(plan_err)
+    }
+
+    /// The scheduler allocated `gpu_block_ids` and accepted `num_external_tokens`.
+    fn on_alloc(
+        &mut self,
+        req_id: &str,
+        gpu_block_ids: &Bound<'_, PyAny>,
+        num_computed_tokens: i64,
+        num_external_tokens: i64,
+    ) -> PyResult<()> {
+        let ids = block_ids(gpu_block_ids, "gpu_block_ids")?;
+        let nct = count(num_computed_tokens, "num_computed_tokens")?;
+        let ext = count(num_external_tokens, "num_external_tokens")?;
+        self.inner
+            .on_alloc(req_id, &ids, nct, ext)
+            .map_err(plan_err)
+    }
+
+    /// Records the step's scheduled requests (vLLM's `NewRequestData` fields and
+    /// `CachedRequestData` lists), selects eager stores, and returns
+    /// `(loads, store)` for the workers.
+    #[allow(clippy::too_many_arguments)]
+    fn schedule<'py>(
+        &mut self,
+        py: Python<'py>,
+        new_req_ids: &Bound<'py, PyList>,
+        new_num_computed: &Bound<'py, PyList>,
+        new_block_ids: &Bound<'py, PyList>,
+        cached_req_ids: &Bound<'py, PyList>,
+        cached_num_computed: &Bound<'py, PyList>,
+        cached_new_block_ids: &Bound<'py, PyList>,
+        resumed_req_ids: &Bound<'py, PyAny>,
+        hash_lists: &Bound<'py, PyMapping>,
+    ) -> PyResult<(Vec<LoadTuple<'py>>, Option<StoreTuple<'py>>)> {
+        if new_req_ids.len() != new_num_computed.len() || new_req_ids.len() != new_block_ids.len() {
+            return Err(INVALID_INPUT_ERROR.err(format!(
+                "schedule: new request lists differ in length ({}, {}, {})",
+                new_req_ids.len(),
+                new_num_computed.len(),
+                new_block_ids.len()
+            )));
+        }
+        if cached_req_ids.len() != cached_num_computed.len()
+            || cached_req_ids.len() != cached_new_block_ids.len()
+        {
+            return Err(INVALID_INPUT_ERROR.err(format!(
+                "schedule: cached request lists differ in length ({}, {}, {})",
+                cached_req_ids.len(),
+                cached_num_computed.len(),
+                cached_new_block_ids.len()
+            )));
+        }
+        let mut rows: Vec<(String, usize, Vec<u32>, bool)> =
+            Vec::with_capacity(new_req_ids.len() + cached_req_ids.len());
+        for i in 0..new_req_ids.len() {
+            let req: String = new_req_ids.get_item(i)?.extract()?;
+            let nct = count(
+                new_num_computed.get_item(i)?.extract()?,
+                "num_computed_tokens",
+            )?;
+            let ids = group0_ids(&new_block_ids.get_item(i)?)?;
+            rows.push((req, nct, ids, true));
+        }
+        let resumed_nonempty = resumed_req_ids.len().unwrap_or(0) > 0;
+        for i in 0..cached_req_ids.len() {
+            let req_obj = cached_req_ids.get_item(i)?;
+            let req: String = req_obj.extract()?;
+            let nct = count(
+                cached_num_computed.get_item(i)?.extract()?,
+                "num_computed_tokens",
+            )?;
+            let ids = group0_ids(&cached_new_block_ids.get_item(i)?)?;
+            let resumed = resumed_nonempty && resumed_req_ids.contains(&req_obj)?;
+            rows.push((req, nct, ids, resumed));
+        }
+        // Hashes cross once per block, when a block is first confirmed.
+        let mut hashes = Vec::new();
+        for (req, nct, _, _) in &rows {
+            if self.inner.needs_hashes(req, *nct) {
+                if let Some(list) = hash_lists
+                    .get_item(req.as_str())
+                    .ok()
+                    .filter(|l| !l.is_none())
+                {
+                    let known = self.inner.num_hashes(req);
+                    hashes.push((req.clone(), hashes_from(&list, known, "block_hashes")?));
+                }
+            }
+        }
+        let inner = &mut self.inner;
+        let plan = py.detach(|| -> Result<StepPlan, offload_core::PlanError> {
+            for (req, new) in hashes {
+                inner.extend_hashes(&req, new);
+            }
+            for (req, nct, ids, replace) in &rows {
+                inner.note_scheduled(req, *nct, ids, *replace)?;
+            }
+            Ok(inner.take_step())
+        });
+        step_to_py(py, plan.map_err(plan_err)?)
+    }
+
+    /// Lazy mode: GPU blocks about to be evicted (least recently used first) with
+    /// their hashes; returns the GPU ids selected for storing.
+    fn select_lazy(
+        &mut self,
+        gpu_block_ids: &Bound<'_, PyList>,
+        block_hashes: &Bound<'_, PyList>,
+    ) -> PyResult<Vec<u32>> {
+        if gpu_block_ids.len() != block_hashes.len() {
+            return Err(INVALID_INPUT_ERROR.err(format!(
+                "select_lazy: {} block ids but {} hashes",
+                gpu_block_ids.len(),
+                block_hashes.len()
+            )));
+        }
+        let mut cands = Vec::with_capacity(gpu_block_ids.len());
+        for (i, (id, h)) in gpu_block_ids.iter().zip(block_hashes.iter()).enumerate() {
+            cands.push((
+                block_id(&id, "gpu_block_ids")?,
+                BlockKey::new(0, block_hash(&h, "block_hashes", i)?),
+            ));
+        }
+        Ok(self.inner.select_lazy(cands))
+    }
+
+    /// Hands over transfers chosen outside `schedule` (lazy stores, finish flushes).
+    fn take_step<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<(Vec<LoadTuple<'py>>, Option<StoreTuple<'py>>)> {
+        step_to_py(py, self.inner.take_step())
+    }
+
+    /// `req_id` finished; returns whether vLLM must keep its GPU blocks.
+    fn request_finished(
+        &mut self,
+        req_id: &str,
+        block_hashes: &Bound<'_, PyAny>,
+        num_computed_tokens: i64,
+    ) -> PyResult<bool> {
+        let nct = count(num_computed_tokens, "num_computed_tokens")?;
+        if self.inner.needs_hashes(req_id, nct) && self.inner.num_hashes(req_id) > 0 {
+            let new = hashes_from(block_hashes, self.inner.num_hashes(req_id), "block_hashes")?;
+            self.inner.extend_hashes(req_id, new);
+        }
+        self.inner.request_finished(req_id, nct).map_err(plan_err)
+    }
+
+    /// Applies per-rank reports `(transfer_id, ok)`; returns
+    /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks)`.
+    #[allow(clippy::type_complexity)]
+    fn complete(
+        &mut self,
+        py: Python<'_>,
+        transfer_ids: Vec<u64>,
+        ok: Vec<bool>,
+    ) -> PyResult<(Vec<String>, Vec<String>, Vec<u32>, Vec<u32>)> {
+        if transfer_ids.len() != ok.len() {
+            return Err(INVALID_INPUT_ERROR.err(format!(
+                "complete: {} transfer ids but {} results",
+                transfer_ids.len(),
+                ok.len()
+            )));
+        }
+        let inner = &mut self.inner;
+        let (res, c) = py.detach(|| {
+            let res = inner.complete_all(transfer_ids.into_iter().zip(ok));
+            (res, inner.take_completions())
+        });
+        let out = (
+            c.finished_sending,
+            c.finished_recving,
+            c.load_error_blocks,
+            c.released_gpu_blocks,
+        );
+        // Reports are applied even if one was unknown; that one is still an error.
+        res.map_err(plan_err)?;
+        Ok(out)
+    }
+
+    /// Buffered KV events as tuples: `("stored", group, [hash], parent | None,
+    /// block_size)`, `("removed", group, [hash])`, `("cleared",)`.
+    fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        self.inner
+            .take_events()
+            .into_iter()
+            .map(|e| match e {
+                KvEvent::Stored {
+                    group,
+                    hashes,
+                    parent,
+                    block_size,
+                } => {
+                    let hs: Vec<_> = hashes.into_iter().map(|h| hash_bytes(py, h)).collect();
+                    let parent = parent.map(|h| hash_bytes(py, h));
+                    ("stored", group, hs, parent, block_size).into_pyobject(py)
+                }
+                KvEvent::Removed { group, hashes } => {
+                    let hs: Vec<_> = hashes.into_iter().map(|h| hash_bytes(py, h)).collect();
+                    ("removed", group, hs).into_pyobject(py)
+                }
+                KvEvent::AllCleared => ("cleared",).into_pyobject(py),
+            })
+            .collect()
+    }
+
+    /// Drops every CPU block; transfers in flight finish but are not served.
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+
+    fn has_work_in_flight(&self) -> bool {
+        self.inner.has_work_in_flight()
+    }
+
+    #[getter]
+    fn num_requests(&self) -> usize {
+        self.inner.num_requests()
+    }
+
+    #[getter]
+    fn num_cpu_blocks(&self) -> u32 {
+        self.inner.cache().capacity()
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.inner.cache().pool().num_free()
+    }
+
+    /// Counters since construction, by name.
+    fn stats(&self) -> Vec<(&'static str, u64)> {
+        let s = self.inner.stats();
+        vec![
+            ("lookups", s.lookups),
+            ("cached_lookups", s.cached_lookups),
+            ("hit_tokens", s.hit_tokens),
+            ("load_blocks", s.load_blocks),
+            ("store_blocks", s.store_blocks),
+            ("stored_blocks", s.stored_blocks),
+            ("dedup_skipped", s.dedup_skipped),
+            ("no_space_skipped", s.no_space_skipped),
+            ("evicted_blocks", s.evicted_blocks),
+            ("failed_loads", s.failed_loads),
+            ("failed_stores", s.failed_stores),
+        ]
+    }
+}
+
+/// vLLM passes block ids per KV-cache group (`tuple[list[int], ...]`) or `None`.
+fn group0_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if let Ok(t) = v.cast::<PyTuple>() {
+        return match t.len() {
+            0 => Ok(Vec::new()),
+            _ => block_ids(&t.get_item(0)?, "block_ids"),
+        };
+    }
+    block_ids(v, "block_ids")
+}
+
+fn step_to_py(
+    py: Python<'_>,
+    plan: StepPlan,
+) -> PyResult<(Vec<LoadTuple<'_>>, Option<StoreTuple<'_>>)> {
+    let loads = plan
+        .loads
+        .into_iter()
+        .map(|l| {
+            (
+                l.id,
+                l.req_id,
+                ids_to_bytes(py, &l.gpu_blocks),
+                ids_to_bytes(py, &l.cpu_blocks),
+                l.valid,
+            )
+        })
+        .collect();
+    let store = plan.store.map(|s| {
+        (
+            s.id,
+            ids_to_bytes(py, &s.gpu_blocks),
+            ids_to_bytes(py, &s.cpu_blocks),
+            s.req_ids,
+        )
+    });
+    Ok((loads, store))
+}

@@ -1,0 +1,111 @@
+"""A tiny random-weight Llama + byte-level BPE tokenizer for end-to-end tests.
+
+No model can be downloaded on CI, so tests build one locally. Large init scale
+(initializer_range=0.25) makes the output depend visibly on the KV cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB_SIZE = 1024
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A CPU KV cache offloading connector keeps prefix blocks in host memory.",
+    "vLLM schedules requests, allocates blocks and reuses cached prefixes.",
+    "Rust moves bytes between device and host while Python plans the work.",
+    "Pack my box with five dozen liquor jugs; how vexingly quick daft zebras jump!",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ' \" ! ? @ # $ % ^ & _ ~ |",
+    "Sphinx of black quartz, judge my vow. The five boxing wizards jump quickly.",
+    "In the beginning the offload pool was empty, and the scheduler asked for hits.",
+]
+
+
+def _corpus(seed: int) -> list[str]:
+    """A few real sentences plus seeded pseudo-words, enough for BPE to fill VOCAB_SIZE."""
+    import random
+
+    rng = random.Random(seed)
+    syll = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "xe", "zu",
+            "pra", "str", "ing", "tion", "er", "an", "th", "qu"]  # fmt: skip
+    words = [
+        "".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(3000)
+    ]
+    return _CORPUS * 4 + [" ".join(words[i : i + 20]) for i in range(0, len(words), 20)]
+
+
+def build_tiny_llama(path: str | Path, *, seed: int = 0) -> Path:
+    """Create (once) a tiny random Llama model + tokenizer at ``path`` and return it.
+
+    If ``path/config.json`` already exists the directory is returned untouched.
+    """
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    # Build in a private temp dir and rename, so an interrupted or concurrent build never
+    # leaves a config.json without weights behind.
+    import os
+    import shutil
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        _build(tmp, seed)
+        try:
+            os.rename(tmp, path)  # atomic; fails if path exists and is non-empty
+        except OSError:
+            if not (path / "config.json").exists():
+                if path.exists():
+                    path.rmdir()  # an empty leftover directory
+                os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _build(path: Path, seed: int) -> None:
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    # --- tokenizer: byte-level BPE, exactly VOCAB_SIZE tokens ---------------------------------
+    special = ["<s>", "</s>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    vocab = max(VOCAB_SIZE, len(fast))  # the model must cover every token id
+
+    # --- model -------------------------------------------------------------------------------
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        initializer_range=0.25,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    fast.save_pretrained(path)
