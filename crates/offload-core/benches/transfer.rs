@@ -85,7 +85,16 @@ fn consecutive(n: usize) -> Vec<(u32, u32)> {
     (0..n as u32).map(|i| (i, i + 7)).collect()
 }
 
-/// Runs one job per iteration and records the median ns per block over criterion's samples.
+/// Median of per-iteration samples, or NaN when criterion took none.
+fn median(samples: Mutex<Vec<f64>>) -> f64 {
+    let mut samples = samples.into_inner().expect("samples");
+    samples.sort_by(f64::total_cmp);
+    samples.get(samples.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Runs one job per iteration; criterion measures the round trip (submit to completion).
+/// The caller-side cost of `submit` alone (what the Python step pays) is sampled too, and
+/// both are printed as ns per block.
 fn bench_jobs(
     c: &mut Criterion,
     group_name: &str,
@@ -97,10 +106,12 @@ fn bench_jobs(
     for (label, pairs) in cases {
         let blocks = pairs.len();
         group.throughput(Throughput::Elements(blocks as u64));
-        let samples = Mutex::new(Vec::new());
+        let round_trips = Mutex::new(Vec::new());
+        let submits = Mutex::new(Vec::new());
         group.bench_with_input(BenchmarkId::new(*label, blocks), pairs, |b, pairs| {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;
+                let mut submit_total = Duration::ZERO;
                 for _ in 0..iters {
                     next_id += 1;
                     let job = TransferJob {
@@ -110,22 +121,27 @@ fn bench_jobs(
                     };
                     let start = Instant::now();
                     engine.submit(job).expect("submit");
+                    submit_total += start.elapsed();
                     let done = engine
                         .wait_for(&[next_id], Duration::from_secs(60))
                         .expect("completion");
                     total += start.elapsed();
                     assert!(done[0].result.is_ok());
                 }
-                let per_block = total.as_nanos() as f64 / iters as f64 / blocks as f64;
-                samples.lock().expect("samples").push(per_block);
+                let per_block = |d: Duration| d.as_nanos() as f64 / iters as f64 / blocks as f64;
+                round_trips.lock().expect("samples").push(per_block(total));
+                submits
+                    .lock()
+                    .expect("samples")
+                    .push(per_block(submit_total));
                 total
             });
         });
-        let mut samples = samples.into_inner().expect("samples");
-        samples.sort_by(f64::total_cmp);
-        if let Some(median) = samples.get(samples.len() / 2) {
-            println!("{group_name}/{label}/{blocks}: {median:.1} ns/block");
-        }
+        println!(
+            "{group_name}/{label}/{blocks}: round trip {:.1} ns/block, submit {:.1} ns/block",
+            median(round_trips),
+            median(submits)
+        );
     }
     group.finish();
 }
@@ -191,11 +207,11 @@ fn coalesce_bench(c: &mut Criterion) {
                 total
             });
         });
-        let mut samples = samples.into_inner().expect("samples");
-        samples.sort_by(f64::total_cmp);
-        if let Some(median) = samples.get(samples.len() / 2) {
-            println!("coalesce/{label}/{}: {median:.2} ns/pair", pairs.len());
-        }
+        println!(
+            "coalesce/{label}/{}: {:.2} ns/pair",
+            pairs.len(),
+            median(samples)
+        );
     }
     group.finish();
 }

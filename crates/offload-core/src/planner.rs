@@ -178,7 +178,8 @@ struct PendingStore {
 /// planner.extend_hashes("a", hashes.iter().copied());
 /// assert_eq!(planner.lookup("a", 65, 0).unwrap(), 0);
 /// planner.on_alloc("a", &[10, 11, 12, 13, 14], 0, 0).unwrap();
-/// planner.note_scheduled("a", 64, &[10, 11, 12, 13, 14], true).unwrap();
+/// planner.note_scheduled("a", 0, &[10, 11, 12, 13, 14], true).unwrap();
+/// planner.note_scheduled("a", 64, &[], false).unwrap(); // next step: 64 tokens confirmed
 /// let store = planner.take_step().store.unwrap();
 /// assert_eq!(store.gpu_blocks, vec![10, 11, 12, 13]);
 /// planner.complete(store.id, true).unwrap();
@@ -342,7 +343,8 @@ impl Planner {
     /// of its hit (possibly fewer than offered, possibly none).
     ///
     /// `gpu_blocks` are all of the request's GPU block ids, starting at token 0;
-    /// `num_computed_tokens` is its GPU prefix hit. An accepted hit becomes a load in
+    /// `num_computed_tokens` is its GPU prefix hit, used only when no lookup result is
+    /// pinned (the hit records where it starts). An accepted hit becomes a load in
     /// the next [`StepPlan`]; pins on the part not accepted are released. A load asked
     /// for without a matching pinned hit becomes an invalid [`LoadJob`] that workers
     /// report failed, so the request is recomputed instead of waiting forever.
@@ -363,16 +365,15 @@ impl Planner {
             return Ok(());
         }
         let k = num_external_tokens.div_ceil(bs);
-        let mut hit = r.hit.take().unwrap_or_default();
-        let start = if hit.blocks.is_empty() {
-            num_computed_tokens / bs
-        } else {
-            hit.start
+        let (mut hit, start) = match r.hit.take() {
+            Some(hit) => {
+                let start = hit.start;
+                (hit, start)
+            }
+            None => (Hit::default(), num_computed_tokens / bs),
         };
-        let valid = num_external_tokens % bs == 0
-            && k <= hit.blocks.len()
-            && start * bs == num_computed_tokens
-            && start + k <= gpu_blocks.len();
+        let valid =
+            num_external_tokens % bs == 0 && k <= hit.blocks.len() && start + k <= gpu_blocks.len();
         let id = self.next_id;
         self.next_id += 1;
         let gpu = gpu_blocks
@@ -419,10 +420,11 @@ impl Planner {
         Ok(())
     }
 
-    /// Records that `req` runs this step with `num_computed_tokens` tokens computed in
-    /// earlier steps, and GPU blocks `new_blocks` added (`replace`: the list is the whole
-    /// block table, for new or resumed requests). In eager mode every newly confirmed
-    /// full block not on CPU or in flight is selected for storing.
+    /// Records that `req` runs this step with `num_computed_tokens` tokens computed before
+    /// it, and GPU blocks `new_blocks` added (`replace`: the list is the whole block
+    /// table, for new or resumed requests). In eager mode every newly confirmed full
+    /// block not on CPU or in flight is selected for storing; a new or resumed request's
+    /// blocks are confirmed from its second scheduled step (or its finish) on.
     pub fn note_scheduled(
         &mut self,
         req: &str,
@@ -435,7 +437,10 @@ impl Planner {
             r.gpu_blocks.clear();
         }
         r.gpu_blocks.extend_from_slice(new_blocks);
-        if !self.cfg.lazy {
+        // A new or resumed request's computed tokens are its GPU prefix hit, which may
+        // name blocks another request computes in this very step (vLLM hashes blocks
+        // when it allocates them). They are confirmed from its next step on.
+        if !self.cfg.lazy && !replace {
             self.select_eager(req, num_computed_tokens);
         }
         Ok(())
@@ -637,8 +642,13 @@ impl Planner {
     /// but nothing stored before the reset is served after it.
     pub fn reset(&mut self) {
         for r in self.requests.values_mut() {
-            release_hit(&mut self.cache, r);
-            r.stored_upto = r.stored_upto.min(r.hashes.len());
+            // Keep where each pinned hit started, so a load vLLM still asks for is
+            // reported failed against the right GPU blocks.
+            if let Some(hit) = &mut r.hit {
+                for b in hit.blocks.drain(..) {
+                    let _ = self.cache.unpin(b);
+                }
+            }
         }
         self.cache.clear();
     }
@@ -889,12 +899,24 @@ mod tests {
     }
 
     #[test]
+    fn prefix_hit_blocks_of_a_new_request_wait_one_step() {
+        let mut p = planner(16, 1, false);
+        p.extend_hashes("a", hashes(1, 2));
+        // Its 32 computed tokens are a GPU hit on blocks computed in this same step.
+        p.note_scheduled("a", 32, &[0, 1, 2], true).unwrap();
+        assert!(p.take_step().store.is_none());
+        p.note_scheduled("a", 40, &[], false).unwrap();
+        assert_eq!(p.take_step().store.unwrap().gpu_blocks, vec![0, 1]);
+    }
+
+    #[test]
     fn shared_prefix_is_stored_once() {
         let mut p = planner(16, 1, false);
         let h = hashes(1, 2);
         for (req, gpu) in [("a", [0u32, 1, 2]), ("b", [3, 4, 5])] {
             p.extend_hashes(req, h.iter().copied());
-            p.note_scheduled(req, 32, &gpu, true).unwrap();
+            p.note_scheduled(req, 0, &gpu, true).unwrap();
+            p.note_scheduled(req, 32, &[], false).unwrap();
         }
         let store = p.take_step().store.unwrap();
         assert_eq!(store.gpu_blocks, vec![0, 1]);
@@ -907,7 +929,8 @@ mod tests {
         let mut p = planner(16, 2, false);
         let h = hashes(1, 2);
         p.extend_hashes("a", h.iter().copied());
-        p.note_scheduled("a", 32, &[0, 1, 2], true).unwrap();
+        p.note_scheduled("a", 0, &[0, 1, 2], true).unwrap();
+        p.note_scheduled("a", 32, &[], false).unwrap();
         let store = p.take_step().store.unwrap();
         p.complete(store.id, true).unwrap();
         assert_eq!(p.cache().ready_prefix(0, &h), 0);
@@ -924,7 +947,8 @@ mod tests {
         let mut p = planner(16, 2, false);
         let h = hashes(1, 2);
         p.extend_hashes("a", h.iter().copied());
-        p.note_scheduled("a", 32, &[0, 1, 2], true).unwrap();
+        p.note_scheduled("a", 0, &[0, 1, 2], true).unwrap();
+        p.note_scheduled("a", 32, &[], false).unwrap();
         let store = p.take_step().store.unwrap();
         p.complete(store.id, false).unwrap();
         p.complete(store.id, true).unwrap();
@@ -937,7 +961,8 @@ mod tests {
     fn finished_request_waits_for_its_stores() {
         let mut p = planner(16, 1, false);
         p.extend_hashes("a", hashes(1, 3));
-        p.note_scheduled("a", 32, &[0, 1, 2], true).unwrap();
+        p.note_scheduled("a", 0, &[0, 1, 2], true).unwrap();
+        p.note_scheduled("a", 32, &[], false).unwrap();
         let first = p.take_step().store.unwrap();
         // Finishing flushes block 2 too; vLLM must keep the GPU blocks meanwhile.
         assert!(p.request_finished("a", 48).unwrap());
@@ -987,7 +1012,8 @@ mod tests {
         assert_eq!(p.lookup("b", 33, 0).unwrap(), 32);
         // A store in flight across the reset.
         p.extend_hashes("c", hashes(2, 1));
-        p.note_scheduled("c", 16, &[9, 10], true).unwrap();
+        p.note_scheduled("c", 0, &[9, 10], true).unwrap();
+        p.note_scheduled("c", 16, &[], false).unwrap();
         let late = p.take_step().store.unwrap();
         p.reset();
         p.complete(late.id, true).unwrap();
@@ -1001,7 +1027,8 @@ mod tests {
     fn lazy_mode_stores_only_candidates_and_releases_them() {
         let mut p = planner(4, 1, true);
         p.extend_hashes("a", hashes(1, 2));
-        p.note_scheduled("a", 32, &[0, 1, 2], true).unwrap();
+        p.note_scheduled("a", 0, &[0, 1, 2], true).unwrap();
+        p.note_scheduled("a", 32, &[], false).unwrap();
         assert!(p.take_step().is_empty());
         let k = |h| BlockKey::new(0, BlockHash(h));
         let chosen = p.select_lazy([(7, k(1)), (8, k(2)), (9, k(1))]);

@@ -6,6 +6,7 @@ mod config;
 mod convert;
 mod errors;
 mod planner;
+mod transfer;
 
 use pyo3::prelude::*;
 
@@ -14,6 +15,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<config::PyOffloadConfig>()?;
     m.add_class::<planner::PyPlanner>()?;
+    m.add_class::<transfer::PyTransferEngine>()?;
     m.add_function(wrap_pyfunction!(config::parse_config, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -911,9 +911,10 @@ impl<B: CopyBackend> Worker<B> {
             }
         }
         // Jobs queued behind the stop request are not started: shutdown must be bounded.
+        // They queue behind the outstanding ones so completions keep submission order.
         while let Ok(job) = self.jobs.try_recv() {
             let id = job.id;
-            self.finish_early(&job, Err(TransferError::Shutdown { id }));
+            self.push_finished(&job, Err(TransferError::Shutdown { id }));
         }
         // Jobs already with the backend must finish before the memory can be released.
         loop {
@@ -926,7 +927,7 @@ impl<B: CopyBackend> Worker<B> {
         log::debug!("copy thread exiting");
     }
 
-    fn next(&self) -> Next {
+    fn next(&mut self) -> Next {
         if self.shared.stopping.load(Ordering::Acquire) {
             return Next::Stop;
         }
@@ -954,7 +955,7 @@ impl<B: CopyBackend> Worker<B> {
             // are not started after shutdown began.
             Some(job) if self.shared.stopping.load(Ordering::Acquire) => {
                 let id = job.id;
-                self.finish_early(&job, Err(TransferError::Shutdown { id }));
+                self.push_finished(&job, Err(TransferError::Shutdown { id }));
                 Next::Stop
             }
             Some(job) => Next::Job(job),
@@ -1078,20 +1079,6 @@ impl<B: CopyBackend> Worker<B> {
     /// Queues an already-decided outcome behind the outstanding jobs, keeping order.
     fn push_finished(&mut self, job: &TransferJob, result: Result<(), TransferError>) {
         self.push(job, PendingState::Finished(result));
-    }
-
-    /// Completes a job that never reached the backend, during shutdown.
-    fn finish_early(&self, job: &TransferJob, result: Result<(), TransferError>) {
-        self.complete(
-            Pending {
-                id: job.id,
-                direction: job.direction,
-                blocks: 0,
-                bytes: 0,
-                state: PendingState::Finished(Ok(())),
-            },
-            result,
-        );
     }
 
     fn complete(&self, pending: Pending, result: Result<(), TransferError>) {
@@ -1910,6 +1897,10 @@ mod tests {
         let mut done = Vec::new();
         engine.poll_completions(&mut done);
         assert_eq!(done.len(), 200);
+        assert_eq!(
+            done.iter().map(|c| c.id).collect::<Vec<_>>(),
+            (0..200).collect::<Vec<_>>()
+        );
         let skipped = done
             .iter()
             .filter(|c| c.result == Err(TransferError::Shutdown { id: c.id }))

@@ -1,0 +1,213 @@
+//! The `TransferEngine` class: the worker side's copy engine.
+
+use std::time::Duration;
+
+use offload_core::transfer::{
+    Completion, Direction, RegionSpec, TransferConfig, TransferEngine, TransferError, TransferJob,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors::{
+    DEVICE_ERROR, ENGINE_SHUTDOWN_ERROR, HOST_MEMORY_ERROR, INVALID_INPUT_ERROR, QUEUE_FULL_ERROR,
+    TRANSFER_ERROR,
+};
+
+/// `(transfer_id, ok, error message or None)`.
+type CompletionTuple = (u64, bool, Option<String>);
+
+/// Maps each transfer error kind to its class.
+pub(crate) fn transfer_err(e: TransferError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        TransferError::InvalidBlock { .. }
+        | TransferError::DuplicateDestination { .. }
+        | TransferError::DuplicateJobId { .. }
+        | TransferError::InvalidRegion { .. }
+        | TransferError::NoSuchRegion { .. }
+        | TransferError::InvalidConfig { .. } => INVALID_INPUT_ERROR.err(msg),
+        TransferError::QueueFull { .. } => QUEUE_FULL_ERROR.err(msg),
+        TransferError::Shutdown { .. } | TransferError::ShutdownTimeout { .. } => {
+            ENGINE_SHUTDOWN_ERROR.err(msg)
+        }
+        TransferError::Backend { .. } | TransferError::Fatal { .. } => DEVICE_ERROR.err(msg),
+        TransferError::Memory(_) => HOST_MEMORY_ERROR.err(msg),
+        TransferError::ThreadSpawn { .. }
+        | TransferError::Timeout { .. }
+        | TransferError::Busy { .. } => TRANSFER_ERROR.err(msg),
+    }
+}
+
+/// Copies KV blocks between the registered KV tensors and host memory it owns.
+#[pyclass(module = "kvoffload._native", name = "TransferEngine")]
+#[derive(Debug)]
+pub(crate) struct PyTransferEngine {
+    inner: TransferEngine,
+}
+
+fn ids_from_bytes(b: &[u8], what: &str) -> PyResult<Vec<u32>> {
+    if b.len() % 4 != 0 {
+        return Err(INVALID_INPUT_ERROR.err(format!(
+            "{what}: {} bytes is not a whole number of u32 block ids",
+            b.len()
+        )));
+    }
+    Ok(b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+fn completion_tuple(c: Completion) -> CompletionTuple {
+    match c.result {
+        Ok(()) => (c.id, true, None),
+        Err(e) => (c.id, false, Some(e.to_string())),
+    }
+}
+
+fn duration(seconds: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| INVALID_INPUT_ERROR.err(format!("{what} must be >= 0 seconds, got {seconds}")))
+}
+
+#[pymethods]
+impl PyTransferEngine {
+    /// `regions`: `(address, num_blocks, block_bytes, block_stride)` of each KV span.
+    ///
+    /// The addresses must be live KV tensors that outlive the engine (the connector
+    /// passes `tensor.data_ptr()` of the tensors vLLM registered); like ctypes, a wrong
+    /// address here is memory corruption, which is why only the connector builds engines.
+    #[new]
+    #[pyo3(signature = (regions, num_cpu_blocks, hugepages = false))]
+    fn new(
+        py: Python<'_>,
+        regions: Vec<(u64, u32, usize, usize)>,
+        num_cpu_blocks: u32,
+        hugepages: bool,
+    ) -> PyResult<Self> {
+        let specs = regions
+            .into_iter()
+            .map(|(base, n, bytes, stride)| {
+                // SAFETY: the caller (kvoffload's worker) passes the data pointers of the
+                // KV tensors vLLM registered, which stay allocated and in place for the
+                // engine's life; vLLM pins blocks while their transfers are in flight.
+                unsafe { RegionSpec::new(base, n, bytes, stride) }
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(transfer_err)?;
+        let mut config = TransferConfig::default();
+        config.memory.hugepages = hugepages;
+        let inner = py
+            .detach(|| TransferEngine::new(specs, num_cpu_blocks, config))
+            .map_err(transfer_err)?;
+        Ok(Self { inner })
+    }
+
+    /// Queues one copy without blocking; block lists are little-endian u32 bytes.
+    fn submit(
+        &self,
+        py: Python<'_>,
+        transfer_id: u64,
+        store: bool,
+        gpu_blocks: &[u8],
+        cpu_blocks: &[u8],
+    ) -> PyResult<()> {
+        let gpu = ids_from_bytes(gpu_blocks, "gpu_blocks")?;
+        let cpu = ids_from_bytes(cpu_blocks, "cpu_blocks")?;
+        if gpu.len() != cpu.len() {
+            return Err(INVALID_INPUT_ERROR.err(format!(
+                "submit: {} GPU block ids but {} CPU block ids",
+                gpu.len(),
+                cpu.len()
+            )));
+        }
+        let job = TransferJob {
+            id: transfer_id,
+            direction: if store {
+                Direction::Store
+            } else {
+                Direction::Load
+            },
+            pairs: gpu.into_iter().zip(cpu).collect(),
+        };
+        py.detach(|| self.inner.submit(job)).map_err(transfer_err)
+    }
+
+    /// Completions received so far, without blocking.
+    fn poll(&self) -> Vec<CompletionTuple> {
+        let mut out = Vec::new();
+        self.inner.poll_completions(&mut out);
+        out.into_iter().map(completion_tuple).collect()
+    }
+
+    /// Blocks (without the GIL) until the given transfers completed; returns their
+    /// completions.
+    fn wait_for(
+        &self,
+        py: Python<'_>,
+        transfer_ids: Vec<u64>,
+        timeout_s: f64,
+    ) -> PyResult<Vec<CompletionTuple>> {
+        let timeout = duration(timeout_s, "timeout_s")?;
+        let done = py
+            .detach(|| self.inner.wait_for(&transfer_ids, timeout))
+            .map_err(transfer_err)?;
+        Ok(done.into_iter().map(completion_tuple).collect())
+    }
+
+    /// Stops the copy thread within `timeout_s` and releases host memory. Idempotent.
+    #[pyo3(signature = (timeout_s = 5.0))]
+    fn shutdown(&mut self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = duration(timeout_s, "timeout_s")?;
+        let inner = &mut self.inner;
+        py.detach(|| inner.shutdown(timeout)).map_err(transfer_err)
+    }
+
+    /// Bytes of one CPU block of `region` (tests, debugging); only while nothing is in flight.
+    fn read_cpu_block<'py>(
+        &mut self,
+        py: Python<'py>,
+        region: usize,
+        cpu_block: u32,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self
+            .inner
+            .cpu_block_slice(region, cpu_block)
+            .map_err(transfer_err)?;
+        Ok(PyBytes::new(py, bytes))
+    }
+
+    #[getter]
+    fn num_cpu_blocks(&self) -> u32 {
+        self.inner.num_cpu_blocks()
+    }
+
+    #[getter]
+    fn cpu_block_bytes(&self) -> usize {
+        self.inner.cpu_block_bytes()
+    }
+
+    #[getter]
+    fn host_bytes(&self) -> usize {
+        self.inner.host_bytes()
+    }
+
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.inner.backend_name()
+    }
+
+    /// Counters since construction, by name.
+    fn stats(&self) -> Vec<(&'static str, u64)> {
+        let s = self.inner.stats();
+        vec![
+            ("jobs_submitted", s.jobs_submitted),
+            ("jobs_succeeded", s.jobs_succeeded),
+            ("jobs_failed", s.jobs_failed),
+            ("runs_submitted", s.runs_submitted),
+            ("blocks_stored", s.blocks_stored),
+            ("blocks_loaded", s.blocks_loaded),
+            ("bytes_stored", s.bytes_stored),
+            ("bytes_loaded", s.bytes_loaded),
+        ]
+    }
+}

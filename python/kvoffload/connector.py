@@ -1,0 +1,227 @@
+"""``KVOffloadConnector``: vLLM's connector interface over the Rust engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvoffload._native import ConfigError, parse_config
+from kvoffload.metadata import KVOffloadMetadata
+from kvoffload.scheduler import OffloadScheduler
+from kvoffload.stats import KVOffloadStats
+from kvoffload.vllm_adapter import (
+    HOST_HIT_SOURCE,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorStats,
+    KVConnectorWorkerMetadata,
+    block_size,
+    bytes_per_block,
+    extra_config,
+    kv_events_enabled,
+    logger,
+    max_num_batched_tokens,
+    num_gpu_blocks,
+    num_kv_groups,
+    prefix_caching_enabled,
+    world_size,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvoffload.worker import OffloadWorker
+
+
+class KVOffloadConnector(KVConnectorBase_V1):
+    """Keeps KV blocks evicted from the GPU in host memory and loads them back.
+
+    Config (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (total over ranks,
+    default 8 GiB), ``cpu_bytes_to_use_per_rank`` (wins), ``lazy_offload`` (default
+    false). Requires prefix caching; without it the connector warns once and does
+    nothing.
+    """
+
+    if HOST_HIT_SOURCE is not None:
+        _cache_hit_source = HOST_HIT_SOURCE
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._scheduler: OffloadScheduler | None = None
+        self._worker: OffloadWorker | None = None
+        try:
+            config, warnings = parse_config(extra_config(vllm_config), world_size(vllm_config))
+        except ConfigError as e:
+            # In multiprocess mode the caller only sees "Engine core initialization
+            # failed"; say what is wrong where the operator looks.
+            logger.error("KVOffloadConnector: %s", e)
+            raise
+        for w in warnings:
+            logger.warning("KVOffloadConnector: %s", w)
+        if not prefix_caching_enabled(vllm_config):
+            logger.warning(
+                "KVOffloadConnector needs prefix caching (enable_prefix_caching=True); "
+                "CPU offloading is disabled"
+            )
+            return
+        if kv_cache_config is None:
+            return
+        groups = num_kv_groups(kv_cache_config)
+        if groups != 1:
+            msg = (
+                f"KVOffloadConnector supports models with one KV-cache group; this model "
+                f"has {groups} (hybrid attention)"
+            )
+            logger.error(msg)
+            raise ConfigError(msg)
+        per_block = bytes_per_block(kv_cache_config)
+        num_cpu_blocks = config.num_cpu_blocks(per_block)
+        if num_cpu_blocks == 0:
+            logger.warning(
+                "KVOffloadConnector: cpu budget of %d bytes holds no %d-byte block; "
+                "CPU offloading is disabled",
+                config.cpu_bytes_per_rank,
+                per_block,
+            )
+            return
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = OffloadScheduler(
+                config,
+                block_size=block_size(kv_cache_config),
+                num_cpu_blocks=num_cpu_blocks,
+                events=kv_events_enabled(vllm_config),
+                max_num_batched_tokens=max_num_batched_tokens(vllm_config),
+            )
+            logger.info(
+                "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
+                num_cpu_blocks,
+                per_block,
+                num_cpu_blocks * per_block / 2**30,
+                "lazy" if config.lazy_offload else "eager",
+            )
+        else:
+            from kvoffload.worker import OffloadWorker
+
+            self._worker = OffloadWorker(
+                num_cpu_blocks=num_cpu_blocks,
+                bytes_per_block=per_block,
+                num_gpu_blocks=num_gpu_blocks(kv_cache_config),
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a handoff: vLLM may drop a preempted request's stale output.
+        return False
+
+    # ---- scheduler role --------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.bind_gpu_block_pool(gpu_block_pool)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self._scheduler is None:
+            return KVOffloadMetadata()
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request), None
+
+    def take_events(self) -> list[Any]:
+        return self._scheduler.take_events() if self._scheduler is not None else []
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ---- worker role -----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, KVOffloadMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVOffloadMetadata):
+            self._worker.submit(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Loads are submitted when the metadata is bound, ahead of the forward pass.
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: the request runs only after they completed.
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Stores copy whole confirmed blocks of earlier steps, not this step's layers.
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Completions travel as worker metadata; the scheduler side names the requests.
+        if self._worker is not None:
+            self._worker.poll()
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_worker_meta() if self._worker is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is not None:
+            return self._scheduler.stats()
+        if self._worker is not None:
+            return self._worker.stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVOffloadStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- introspection (tests, benchmarks) -------------------------------------------
+
+    @property
+    def offload_scheduler(self) -> OffloadScheduler | None:
+        return self._scheduler
+
+    @property
+    def offload_worker(self) -> OffloadWorker | None:
+        return self._worker

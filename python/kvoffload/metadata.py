@@ -1,0 +1,40 @@
+"""Per-step metadata that crosses processes (pickled by vLLM's multiprocess executor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvoffload.vllm_adapter import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+#: ``(transfer_id, req_id, gpu_blocks, cpu_blocks, valid)``; block lists are little-endian
+#: ``u32`` bytes, which pickle and cross into Rust without a Python object per block.
+LoadSpec = tuple[int, str, bytes, bytes, bool]
+#: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
+StoreSpec = tuple[int, bytes, bytes, list[str]]
+
+
+@dataclass
+class KVOffloadMetadata(KVConnectorMetadata):
+    """Scheduler -> workers: the step's copies."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    store: StoreSpec | None = None
+    #: Requests preempted this step: their GPU blocks may be reused by this step's
+    #: forward, so in-flight stores reading them must finish first.
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: transfers this rank finished since its last report."""
+
+    transfer_ids: list[int] = field(default_factory=list)
+    ok: list[bool] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
+        if not isinstance(other, KVOffloadWorkerMetadata):
+            return self
+        return KVOffloadWorkerMetadata(
+            transfer_ids=self.transfer_ids + other.transfer_ids,
+            ok=self.ok + other.ok,
+        )

@@ -1,0 +1,146 @@
+"""Scheduler-role adapter: vLLM's scheduler calls -> the Rust planner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvoffload._native import KVOffloadError, OffloadConfig, Planner
+from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.stats import CounterDeltas, KVOffloadStats
+from kvoffload.vllm_adapter import (
+    FreeQueueWalker,
+    allocated_block_ids,
+    kv_events,
+    logger,
+    scheduled_lists,
+)
+
+#: Lazy mode keeps this many steps' worth of batched tokens offloaded ahead of eviction
+#: (the same watermark as vLLM's SimpleCPUOffloadConnector).
+LAZY_WATERMARK_STEPS = 2
+
+
+class OffloadScheduler:
+    """Owns the planner; one Rust call per vLLM call, never one per block."""
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        *,
+        block_size: int,
+        num_cpu_blocks: int,
+        events: bool,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self._planner = Planner(
+            block_size,
+            num_cpu_blocks,
+            world_size=config.world_size,
+            lazy=config.lazy_offload,
+            events=events,
+        )
+        self._lazy = config.lazy_offload
+        self._lazy_limit = LAZY_WATERMARK_STEPS * -(-max_num_batched_tokens // block_size)
+        # The request's own hash list: vLLM extends it in place as blocks fill.
+        self._hash_lists: dict[str, Any] = {}
+        self._walker: FreeQueueWalker | None = None
+        self._stats = CounterDeltas()
+
+    @property
+    def planner(self) -> Planner:
+        return self._planner
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._walker = FreeQueueWalker(gpu_block_pool)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        req_id = request.request_id
+        hashes = request.block_hashes
+        self._hash_lists[req_id] = hashes
+        hit = self._planner.lookup(req_id, hashes, request.num_tokens, num_computed_tokens)
+        return hit, hit > 0
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        gpu = allocated_block_ids(blocks) if num_external_tokens > 0 else None
+        try:
+            self._planner.on_alloc(
+                request.request_id, gpu, request.num_computed_tokens, num_external_tokens
+            )
+        except KVOffloadError:
+            # A request the planner never looked up (vLLM only asks for requests with no
+            # computed tokens): nothing is offered, nothing to load.
+            if num_external_tokens:
+                raise
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
+        s = scheduled_lists(scheduler_output)
+        if self._lazy and self._walker is not None:
+            ids, hashes = self._walker.candidates(self._lazy_limit)
+            if ids:
+                chosen = self._planner.select_lazy(ids, hashes)
+                if chosen:
+                    self._walker.hold(chosen)
+        loads, store = self._planner.schedule(
+            s.new_req_ids,
+            s.new_num_computed,
+            s.new_block_ids,
+            s.cached_req_ids,
+            s.cached_num_computed,
+            s.cached_new_block_ids,
+            s.resumed_req_ids,
+            self._hash_lists,
+        )
+        return KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=s.preempted_req_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KVOffloadWorkerMetadata) or not meta.transfer_ids:
+            return
+        try:
+            sending, recving, load_errors, released = self._planner.complete(
+                meta.transfer_ids, meta.ok
+            )
+        except KVOffloadError as e:
+            logger.error("kvoffload: ignoring a bad completion report: %s", e)
+            return
+        if sending:
+            if connector_output.finished_sending is None:
+                connector_output.finished_sending = set()
+            connector_output.finished_sending.update(sending)
+        if recving:
+            if connector_output.finished_recving is None:
+                connector_output.finished_recving = set()
+            connector_output.finished_recving.update(recving)
+        if load_errors:
+            logger.warning(
+                "kvoffload: %d GPU blocks failed to load from CPU", len(load_errors)
+            )
+        if released and self._walker is not None:
+            self._walker.release(released)
+
+    def request_finished(self, request: Any) -> bool:
+        req_id = request.request_id
+        self._hash_lists.pop(req_id, None)
+        return self._planner.request_finished(
+            req_id, request.block_hashes, request.num_computed_tokens
+        )
+
+    def take_events(self) -> list[Any]:
+        raw = self._planner.take_events()
+        return kv_events(raw) if raw else []
+
+    def reset_cache(self) -> bool:
+        self._planner.reset()
+        if self._walker is not None:
+            self._walker.reset()
+        return True
+
+    def has_pending_push_work(self) -> bool:
+        return self._planner.has_work_in_flight()
+
+    def stats(self) -> KVOffloadStats | None:
+        return self._stats.delta(self._planner.stats())

