@@ -29,9 +29,7 @@ def _corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
     syll = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "xe", "zu",
             "pra", "str", "ing", "tion", "er", "an", "th", "qu"]  # fmt: skip
-    words = [
-        "".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(3000)
-    ]
+    words = ["".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
     return _CORPUS * 4 + [" ".join(words[i : i + 20]) for i in range(0, len(words), 20)]
 
 

@@ -126,9 +126,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is not None:
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

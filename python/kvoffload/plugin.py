@@ -17,6 +17,4 @@ def register() -> None:
         return
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return
-    KVConnectorFactory.register_connector(
-        CONNECTOR_NAME, "kvoffload.connector", CONNECTOR_NAME
-    )
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvoffload.connector", CONNECTOR_NAME)

@@ -62,9 +62,7 @@ class OffloadScheduler:
         hit = self._planner.lookup(req_id, hashes, request.num_tokens, num_computed_tokens)
         return hit, hit > 0
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         gpu = allocated_block_ids(blocks) if num_external_tokens > 0 else None
         try:
             self._planner.on_alloc(
@@ -116,9 +114,7 @@ class OffloadScheduler:
                 connector_output.finished_recving = set()
             connector_output.finished_recving.update(recving)
         if load_errors:
-            logger.warning(
-                "kvoffload: %d GPU blocks failed to load from CPU", len(load_errors)
-            )
+            logger.warning("kvoffload: %d GPU blocks failed to load from CPU", len(load_errors))
         if released and self._walker is not None:
             self._walker.release(released)
 

@@ -176,6 +176,24 @@ impl PyTransferEngine {
         Ok(PyBytes::new(py, bytes))
     }
 
+    /// Overwrites one CPU block of `region` (tests that prove outputs depend on the
+    /// offloaded bytes); only while nothing is in flight.
+    fn write_cpu_block(&mut self, region: usize, cpu_block: u32, data: &[u8]) -> PyResult<()> {
+        let block = self
+            .inner
+            .cpu_block_slice_mut(region, cpu_block)
+            .map_err(transfer_err)?;
+        if data.len() != block.len() {
+            return Err(INVALID_INPUT_ERROR.err(format!(
+                "write_cpu_block: {} bytes given for a {}-byte block",
+                data.len(),
+                block.len()
+            )));
+        }
+        block.copy_from_slice(data);
+        Ok(())
+    }
+
     #[getter]
     fn num_cpu_blocks(&self) -> u32 {
         self.inner.num_cpu_blocks()

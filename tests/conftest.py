@@ -1,0 +1,21 @@
+"""Shared fixtures. vLLM reads its environment once per process, so it is set here,
+before any test imports vLLM."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny_llama")

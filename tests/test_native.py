@@ -1,0 +1,179 @@
+"""The extension module at the Python boundary: config errors, typed errors for bad
+input, the planner and the transfer engine without vLLM."""
+
+from __future__ import annotations
+
+import struct
+
+import kvoffload
+import pytest
+from kvoffload import _native
+
+
+def ids(*xs: int) -> bytes:
+    return struct.pack(f"<{len(xs)}I", *xs)
+
+
+def test_import_has_no_vllm_dependency() -> None:
+    assert kvoffload.__version__
+    assert issubclass(kvoffload.ConfigError, kvoffload.KVOffloadError)
+    assert issubclass(kvoffload.ConfigError, ValueError)
+    assert issubclass(kvoffload.InvalidInputError, ValueError)
+    assert issubclass(kvoffload.DeviceError, kvoffload.TransferError.__base__)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [
+        ("cpu_bytes_to_use", -1, "-1"),
+        ("cpu_bytes_to_use", 0, "0"),
+        ("cpu_bytes_to_use", 1.5, "1.5"),
+        ("cpu_bytes_to_use", "abc", "abc"),
+        ("cpu_bytes_to_use", True, "True"),
+        ("cpu_bytes_to_use", [1], "list"),
+        ("cpu_bytes_to_use", 2**80, str(2**80)),
+        ("cpu_bytes_to_use_per_rank", -7, "-7"),
+        ("cpu_bytes_to_use_per_rank", {"a": 1}, "dict"),
+        ("lazy_offload", "maybe", "maybe"),
+        ("lazy_offload", 1, "1"),
+    ],
+)
+def test_every_bad_config_value_raises_config_error_naming_key_and_value(
+    key: str, value: object, shown: str
+) -> None:
+    with pytest.raises(kvoffload.ConfigError) as info:
+        kvoffload.parse_config({key: value}, 1)
+    msg = str(info.value)
+    assert key in msg
+    assert shown.lower() in msg.lower()
+
+
+def test_config_defaults_split_over_world_size_and_warn_on_unknown_keys() -> None:
+    cfg, warnings = kvoffload.parse_config({"cpu_byte_to_use": 5}, 4)
+    assert cfg.cpu_bytes_per_rank == 2 * 2**30
+    assert not cfg.lazy_offload
+    assert any("cpu_byte_to_use" in w for w in warnings)
+    cfg, warnings = kvoffload.parse_config(
+        {"cpu_bytes_to_use": 1000, "cpu_bytes_to_use_per_rank": 300, "lazy_offload": True}, 2
+    )
+    assert cfg.cpu_bytes_per_rank == 300
+    assert cfg.lazy_offload
+    assert any("cpu_bytes_to_use_per_rank" in w for w in warnings)
+    assert cfg.num_cpu_blocks(100) == 3
+
+
+def test_config_must_be_a_mapping() -> None:
+    with pytest.raises(kvoffload.ConfigError):
+        kvoffload.parse_config([("cpu_bytes_to_use", 1)], 1)
+
+
+def test_planner_round_trip_through_python() -> None:
+    p = _native.Planner(16, 64)
+    hashes = [bytes([i]) * 32 for i in range(1, 5)]
+    p.lookup("a", hashes, 65, 0)
+    gpu = [10, 11, 12, 13, 14]
+    p.on_alloc("a", gpu, 0, 0)
+    loads, store = p.schedule(["a"], [0], [(gpu,)], [], [], [], set(), {"a": hashes})
+    # Prefix-hit blocks of a new request wait a step.
+    assert loads == []
+    assert store is None
+    loads, store = p.schedule([], [], [], ["a"], [64], [None], set(), {"a": hashes})
+    assert store is not None
+    tid, gpu_b, cpu_b, reqs = store
+    assert gpu_b == ids(10, 11, 12, 13)
+    assert reqs == ["a"]
+    assert p.request_finished("a", hashes, 65)
+    sending, recving, errors, released = p.complete([tid], [True])
+    assert (sending, recving, errors, released) == (["a"], [], [], [])
+    assert p.lookup("b", hashes, 65, 0) == 64
+    p.on_alloc("b", [20, 21, 22, 23, 24], 0, 64)
+    loads, store = p.take_step()
+    assert store is None
+    (ltid, req, lgpu, lcpu, valid) = loads[0]
+    assert (req, lgpu, lcpu, valid) == ("b", ids(20, 21, 22, 23), cpu_b, True)
+    assert p.complete([ltid], [True])[1] == ["b"]
+    stats = dict(p.stats())
+    assert stats["hit_tokens"] == 64
+    assert stats["stored_blocks"] == 4
+
+
+@pytest.mark.parametrize(
+    ("call", "exc"),
+    [
+        (lambda p: p.lookup("z", [1, 2], 10, 0), kvoffload.InvalidInputError),
+        (lambda p: p.lookup("z", [b""], 10, 0), kvoffload.InvalidInputError),
+        (lambda p: p.lookup("z", None, 10, 0), kvoffload.InvalidInputError),
+        (lambda p: p.lookup("a", [b"x" * 32], -1, 0), kvoffload.InvalidInputError),
+        (lambda p: p.on_alloc("nobody", [1], 0, 16), kvoffload.UnknownRequestError),
+        (lambda p: p.on_alloc("a", [-1], 0, 16), kvoffload.InvalidInputError),
+        (lambda p: p.on_alloc("a", ["x"], 0, 16), kvoffload.InvalidInputError),
+        (lambda p: p.on_alloc("a", [2**40], 0, 16), kvoffload.InvalidInputError),
+        (lambda p: p.select_lazy([1, 2], [b"x" * 32]), kvoffload.InvalidInputError),
+        (lambda p: p.complete([1, 2], [True]), kvoffload.InvalidInputError),
+        (lambda p: p.complete([99], [True]), kvoffload.UnknownTransferError),
+        (
+            lambda p: p.schedule(["a"], [0, 1], [None], [], [], [], set(), {}),
+            kvoffload.InvalidInputError,
+        ),
+        (
+            lambda p: p.schedule([], [], [], ["a"], [-5], [None], set(), {}),
+            kvoffload.InvalidInputError,
+        ),
+    ],
+)
+def test_bad_planner_input_raises_typed_errors(call, exc) -> None:  # type: ignore[no-untyped-def]
+    p = _native.Planner(16, 8)
+    p.lookup("a", [b"h" * 32], 17, 0)
+    with pytest.raises(exc):
+        call(p)
+    # The planner still works after the error.
+    assert p.lookup("a", [b"h" * 32], 17, 0) == 0
+
+
+def test_planner_rejects_bad_geometry() -> None:
+    with pytest.raises(kvoffload.InvalidInputError):
+        _native.Planner(0, 8)
+    with pytest.raises(kvoffload.InvalidInputError):
+        _native.Planner(16, -1)
+
+
+def test_transfer_engine_round_trips_bytes() -> None:
+    torch = pytest.importorskip("torch")
+    kv = torch.randn(16, 2, 8, 16)
+    es = kv.element_size()
+    engine = _native.TransferEngine([(kv.data_ptr(), 16, kv[0].numel() * es, kv.stride(0) * es)], 4)
+    orig = kv.clone()
+    engine.submit(1, True, ids(3, 4, 9), ids(0, 1, 2))
+    assert engine.wait_for([1], 10.0) == [(1, True, None)]
+    kv.zero_()
+    engine.submit(2, False, ids(5, 6, 7), ids(0, 1, 2))
+    assert engine.wait_for([2], 10.0) == [(2, True, None)]
+    for dst, src in [(5, 3), (6, 4), (7, 9)]:
+        assert torch.equal(kv[dst], orig[src])
+    assert engine.read_cpu_block(0, 2) == orig[9].numpy().tobytes()
+    stats = dict(engine.stats())
+    assert (stats["blocks_stored"], stats["blocks_loaded"]) == (3, 3)
+    engine.shutdown()
+    with pytest.raises(kvoffload.EngineShutdownError):
+        engine.submit(3, True, ids(1), ids(1))
+
+
+def test_transfer_engine_reports_bad_ids_as_failed_jobs_or_typed_errors() -> None:
+    torch = pytest.importorskip("torch")
+    kv = torch.zeros(4, 64)
+    es = kv.element_size()
+    engine = _native.TransferEngine([(kv.data_ptr(), 4, 64 * es, 64 * es)], 2)
+    with pytest.raises(kvoffload.InvalidInputError):
+        engine.submit(1, True, ids(1, 2), ids(1))
+    with pytest.raises(kvoffload.InvalidInputError):
+        engine.submit(1, True, b"\x00\x01\x02", b"\x00\x00\x00\x00")
+    # Out-of-range ids fail that job (validated on the copy thread), nothing is copied.
+    engine.submit(2, True, ids(9), ids(0))
+    [(tid, ok, err)] = engine.wait_for([2], 10.0)
+    assert (tid, ok) == (2, False)
+    assert "9" in err
+    with pytest.raises(kvoffload.InvalidInputError):
+        _native.TransferEngine([(0, 4, 64, 64)], 2)
+    with pytest.raises(kvoffload.InvalidInputError):
+        engine.wait_for([2], -1.0)
+    engine.shutdown()

@@ -1,0 +1,119 @@
+"""Runs a real vLLM engine on the tiny model, with or without kvoffload."""
+
+from __future__ import annotations
+
+import gc
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+KV_CACHE_BYTES = 4 * 2**20  # 31 usable blocks of 128 tokens: far too small for the prompts
+BLOCK_TOKENS = 128
+
+
+def offload_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 64 * 2**20, **extra},
+    }
+
+
+@contextmanager
+def engine(
+    model: Path, kv_transfer_config: dict[str, Any] | None = None, **kw: Any
+) -> Iterator[Any]:
+    """An in-process engine; shut down (worker connector included) on exit."""
+    from vllm import LLM
+
+    args: dict[str, Any] = {
+        "model": str(model),
+        "dtype": "float32",
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "max_model_len": 2048,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
+        "distributed_executor_backend": "uni",
+        "disable_log_stats": False,
+        "seed": 0,
+    }
+    args.update(kw)
+    if kv_transfer_config is not None:
+        args["kv_transfer_config"] = kv_transfer_config
+    llm = LLM(**args)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
+
+
+def shared_prefix_prompts(
+    n_requests: int,
+    n_systems: int,
+    *,
+    system_tokens: int = 600,
+    tail_tokens: int = 40,
+    seed: int = 0,
+) -> list[list[int]]:
+    """Requests cycling over a few long system prompts, each with a unique tail."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 1000) for _ in range(system_tokens)] for _ in range(n_systems)]
+    return [
+        systems[i % n_systems] + [rng.randrange(3, 1000) for _ in range(tail_tokens)]
+        for i in range(n_requests)
+    ]
+
+
+def generate(llm: Any, prompts: Sequence[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def counter(llm: Any, name: str) -> int:
+    """A vLLM counter (e.g. ``vllm:external_prefix_cache_hits``: tokens served by the connector)."""
+    return int(sum(m.value for m in llm.get_metrics() if m.name == name))
+
+
+def cpu_hit_tokens(llm: Any) -> int:
+    return counter(llm, "vllm:external_prefix_cache_hits")
+
+
+def scheduler_connector(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
+
+
+def worker_connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def drain(llm: Any, max_steps: int = 500) -> None:
+    """Steps the engine until the connector has no copy in flight (in-process engines)."""
+    conn = scheduler_connector(llm)
+    for _ in range(max_steps):
+        if not conn.has_pending_push_work():
+            return
+        llm.llm_engine.step()
+    raise AssertionError("connector copies did not drain")
+
+
+def reset_gpu_prefix_cache(llm: Any, max_steps: int = 500) -> None:
+    """Empties vLLM's GPU prefix cache, stepping the engine while connector copies
+    (which may hold GPU blocks) drain."""
+    for _ in range(max_steps):
+        if llm.reset_prefix_cache():
+            return
+        llm.llm_engine.step()
+    raise AssertionError("GPU prefix cache could not be reset")
