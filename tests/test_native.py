@@ -36,6 +36,8 @@ def test_import_has_no_vllm_dependency() -> None:
         ("cpu_bytes_to_use_per_rank", {"a": 1}, "dict"),
         ("lazy_offload", "maybe", "maybe"),
         ("lazy_offload", 1, "1"),
+        ("load_mode", "soon", "soon"),
+        ("load_mode", 3, "3"),
     ],
 )
 def test_every_bad_config_value_raises_config_error_naming_key_and_value(
@@ -89,8 +91,8 @@ def test_planner_round_trip_through_python() -> None:
     p.on_alloc("b", [20, 21, 22, 23, 24], 0, 64)
     loads, store = p.take_step()
     assert store is None
-    (ltid, req, lgpu, lcpu, valid) = loads[0]
-    assert (req, lgpu, lcpu, valid) == ("b", ids(20, 21, 22, 23), cpu_b, True)
+    (ltid, req, lgpu, lcpu, valid, sync) = loads[0]
+    assert (req, lgpu, lcpu, valid, sync) == ("b", ids(20, 21, 22, 23), cpu_b, True, False)
     assert p.complete([ltid], [True])[1] == ["b"]
     stats = dict(p.stats())
     assert stats["hit_tokens"] == 64

@@ -11,6 +11,32 @@ pub const KEY_CPU_BYTES: &str = "cpu_bytes_to_use";
 pub const KEY_CPU_BYTES_PER_RANK: &str = "cpu_bytes_to_use_per_rank";
 /// Key: store blocks only when they near eviction from the GPU instead of eagerly.
 pub const KEY_LAZY: &str = "lazy_offload";
+/// Key: how loads are scheduled: `"auto"`, `"sync"` or `"async"` (see [`LoadMode`]).
+pub const KEY_LOAD_MODE: &str = "load_mode";
+
+/// When a load from CPU completes relative to the request that needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadMode {
+    /// Synchronous where KV lives in host memory (a load is a memcpy), else asynchronous.
+    #[default]
+    Auto,
+    /// The request runs in the step of its load; workers finish the copy before the
+    /// forward pass.
+    Sync,
+    /// The request waits until the load completed; copies overlap other requests' compute.
+    Async,
+}
+
+impl LoadMode {
+    /// Whether loads are synchronous, given where the KV cache lives.
+    pub fn is_sync(self, kv_in_host_memory: bool) -> bool {
+        match self {
+            Self::Auto => kv_in_host_memory,
+            Self::Sync => true,
+            Self::Async => false,
+        }
+    }
+}
 
 /// The default total budget when neither byte key is given: 8 GiB.
 pub const DEFAULT_CPU_BYTES: u64 = 8 << 30;
@@ -66,6 +92,8 @@ pub struct OffloadConfig {
     pub cpu_bytes_per_rank: u64,
     /// Lazy mode: offload blocks as they near eviction from the GPU.
     pub lazy_offload: bool,
+    /// When loads complete relative to the requests that need them.
+    pub load_mode: LoadMode,
     /// Number of ranks that must report a store before its blocks are published.
     pub world_size: u32,
 }
@@ -111,6 +139,10 @@ impl OffloadConfig {
             None | Some(ConfigValue::Null) => false,
             Some(v) => parse_bool(KEY_LAZY, v)?,
         };
+        let load_mode = match map.get(KEY_LOAD_MODE) {
+            None | Some(ConfigValue::Null) => LoadMode::Auto,
+            Some(v) => parse_load_mode(v)?,
+        };
         let cpu_bytes_per_rank = match (per_rank, total) {
             (Some(p), Some(t)) => {
                 let split = t / u64::from(world_size);
@@ -127,7 +159,7 @@ impl OffloadConfig {
             (None, None) => split_total(DEFAULT_CPU_BYTES, world_size)?,
         };
         for key in map.keys() {
-            let known = [KEY_CPU_BYTES, KEY_CPU_BYTES_PER_RANK, KEY_LAZY];
+            let known = [KEY_CPU_BYTES, KEY_CPU_BYTES_PER_RANK, KEY_LAZY, KEY_LOAD_MODE];
             if !known.contains(&key.as_str()) && !key.starts_with("kvoffload.") {
                 warnings.push(format!("unknown kvoffload config key `{key}` is ignored"));
             }
@@ -139,6 +171,7 @@ impl OffloadConfig {
             config: Self {
                 cpu_bytes_per_rank,
                 lazy_offload,
+                load_mode,
                 world_size,
             },
             warnings,
@@ -210,6 +243,26 @@ fn parse_bytes(key: &str, value: &ConfigValue) -> Result<u64, ConfigError> {
         return Err(invalid("must be a positive number of bytes"));
     }
     u64::try_from(n).map_err(|_| invalid("too large"))
+}
+
+fn parse_load_mode(value: &ConfigValue) -> Result<LoadMode, ConfigError> {
+    match value {
+        ConfigValue::Str(s) => match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(LoadMode::Auto),
+            "sync" => Ok(LoadMode::Sync),
+            "async" => Ok(LoadMode::Async),
+            _ => Err(ConfigError::InvalidValue {
+                key: KEY_LOAD_MODE.to_string(),
+                value: value.to_string(),
+                reason: "must be \"auto\", \"sync\" or \"async\"",
+            }),
+        },
+        _ => Err(ConfigError::WrongType {
+            key: KEY_LOAD_MODE.to_string(),
+            expected: "one of the strings \"auto\", \"sync\", \"async\"",
+            got: value.to_string(),
+        }),
+    }
 }
 
 fn parse_bool(key: &str, value: &ConfigValue) -> Result<bool, ConfigError> {
@@ -335,6 +388,22 @@ mod tests {
                 .config
                 .lazy_offload
         );
+    }
+
+    #[test]
+    fn load_mode_parses_and_rejects_other_values() {
+        let mode = |v| parse(&[(KEY_LOAD_MODE, v)], 1).map(|p| p.config.load_mode);
+        assert_eq!(parse(&[], 1).unwrap().config.load_mode, LoadMode::Auto);
+        assert_eq!(mode(ConfigValue::Str("Sync".into())).unwrap(), LoadMode::Sync);
+        assert_eq!(mode(ConfigValue::Str("async".into())).unwrap(), LoadMode::Async);
+        for bad in [ConfigValue::Str("later".into()), ConfigValue::Bool(true)] {
+            let msg = mode(bad).unwrap_err().to_string();
+            assert!(msg.contains(KEY_LOAD_MODE), "{msg}");
+        }
+        assert!(LoadMode::Auto.is_sync(true));
+        assert!(!LoadMode::Auto.is_sync(false));
+        assert!(LoadMode::Sync.is_sync(false));
+        assert!(!LoadMode::Async.is_sync(true));
     }
 
     #[test]

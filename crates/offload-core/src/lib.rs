@@ -23,9 +23,8 @@
 //! let mut planner = Planner::new(PlannerConfig {
 //!     block_size: 16,
 //!     num_cpu_blocks: 1024,
-//!     world_size: 1,
-//!     lazy: false,
 //!     events: true,
+//!     ..PlannerConfig::default()
 //! });
 //! let prompt: Vec<BlockHash> = (1..=8).map(BlockHash).collect(); // 128 tokens
 //!
@@ -66,7 +65,7 @@ pub mod pool;
 pub mod transfer;
 
 pub use cache::BlockCache;
-pub use config::{ConfigValue, OffloadConfig, ParsedConfig};
+pub use config::{ConfigValue, LoadMode, OffloadConfig, ParsedConfig};
 pub use error::{ConfigError, PlanError};
 pub use events::{EventBuffer, KvEvent, PlannerStats};
 pub use evict::{EvictionPolicy, Lru};

@@ -36,6 +36,23 @@ pub struct PlannerConfig {
     pub lazy: bool,
     /// Buffer KV events for [`Planner::take_events`].
     pub events: bool,
+    /// Loads complete within the step that needs them (workers wait before the forward
+    /// pass), instead of the request waiting a step for an asynchronous load. Cheaper
+    /// when KV lives in host memory (vLLM's CPU backend); GPUs overlap async loads.
+    pub sync_loads: bool,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_cpu_blocks: 0,
+            world_size: 1,
+            lazy: false,
+            events: false,
+            sync_loads: false,
+        }
+    }
 }
 
 /// A copy from CPU blocks into a request's GPU blocks.
@@ -52,6 +69,8 @@ pub struct LoadJob {
     /// `false` when the scheduler asked for a load the planner had no hit for: workers
     /// must report it failed (so vLLM recomputes), never wait for it.
     pub valid: bool,
+    /// The request runs in this step: workers finish the load before the forward pass.
+    pub sync: bool,
 }
 
 /// A copy from GPU blocks into CPU blocks, one per step.
@@ -141,6 +160,7 @@ enum JobKind {
         req_id: String,
         blocks: Vec<BlockId>,
         gpu_blocks: Vec<u32>,
+        sync: bool,
     },
     Store {
         entries: Vec<StoreEntry>,
@@ -170,7 +190,7 @@ struct PendingStore {
 /// ```
 /// use offload_core::{BlockHash, Planner, PlannerConfig};
 ///
-/// let cfg = PlannerConfig { block_size: 16, num_cpu_blocks: 64, world_size: 1, lazy: false, events: false };
+/// let cfg = PlannerConfig { num_cpu_blocks: 64, ..PlannerConfig::default() };
 /// let mut planner = Planner::new(cfg);
 /// let hashes: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
 ///
@@ -397,13 +417,17 @@ impl Planner {
         };
         self.stats.hit_tokens += num_external_tokens as u64;
         self.stats.load_blocks += blocks.len() as u64;
-        r.load_in_flight = true;
+        let sync = self.cfg.sync_loads;
+        // A synchronous load is over before the request's forward pass: vLLM never waits
+        // on it, so it is not the request's business after this step.
+        r.load_in_flight = !sync;
         self.pending_loads.push(LoadJob {
             id,
             req_id: req.to_string(),
             gpu_blocks: gpu.clone(),
             cpu_blocks: blocks.clone(),
             valid,
+            sync,
         });
         self.jobs.insert(
             id,
@@ -412,6 +436,7 @@ impl Planner {
                     req_id: req.to_string(),
                     blocks,
                     gpu_blocks: gpu,
+                    sync,
                 },
                 acks: 0,
                 failed: !valid,
@@ -568,6 +593,7 @@ impl Planner {
                 req_id,
                 blocks,
                 gpu_blocks,
+                sync,
             } => {
                 for b in blocks {
                     let _ = self.cache.unpin(b);
@@ -575,6 +601,9 @@ impl Planner {
                 if job.failed {
                     self.stats.failed_loads += 1;
                     self.completions.load_error_blocks.extend(gpu_blocks);
+                }
+                if sync {
+                    return Ok(());
                 }
                 match self.requests.get_mut(&req_id) {
                     Some(r) if r.finished.is_some() => {
@@ -796,6 +825,7 @@ mod tests {
             world_size: world,
             lazy,
             events: true,
+            sync_loads: false,
         })
     }
 
@@ -992,6 +1022,32 @@ mod tests {
         assert_eq!(c.finished_recving, vec!["b".to_string()]);
         assert!(c.finished_sending.is_empty());
         assert_eq!(p.num_requests(), 0);
+    }
+
+    #[test]
+    fn sync_loads_are_not_reported_to_vllm_as_received() {
+        let mut p = Planner::new(PlannerConfig {
+            num_cpu_blocks: 16,
+            sync_loads: true,
+            ..PlannerConfig::default()
+        });
+        let h = hashes(1, 2);
+        store_prompt(&mut p, "a", &h, 0);
+        p.take_completions();
+        p.extend_hashes("b", h.iter().copied());
+        assert_eq!(p.lookup("b", 33, 0).unwrap(), 32);
+        p.on_alloc("b", &[5, 6, 7], 0, 32).unwrap();
+        let load = p.take_step().loads.remove(0);
+        assert!(load.sync);
+        // It finishes in the step of its load: vLLM frees its blocks right away.
+        assert!(!p.request_finished("b", 33).unwrap());
+        p.complete(load.id, true).unwrap();
+        let c = p.take_completions();
+        assert!(c.finished_recving.is_empty() && c.finished_sending.is_empty());
+        let pinned: u32 = (0..16)
+            .map(|b| p.cache().pool().ref_count(b).unwrap())
+            .sum();
+        assert_eq!(pinned, 0);
     }
 
     #[test]

@@ -33,6 +33,11 @@ impl PyOffloadConfig {
         self.inner.world_size
     }
 
+    /// Whether loads are synchronous, given where vLLM keeps the KV cache.
+    fn sync_loads(&self, kv_in_host_memory: bool) -> bool {
+        self.inner.load_mode.is_sync(kv_in_host_memory)
+    }
+
     fn num_cpu_blocks(&self, bytes_per_block: u64) -> PyResult<u32> {
         self.inner
             .num_cpu_blocks(bytes_per_block)

@@ -7,8 +7,15 @@ use pyo3::types::{PyBytes, PyList, PyMapping, PyTuple};
 use crate::convert::{block_hash, block_id, block_ids, count, hashes_from};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR};
 
-/// `(id, req_id, gpu_blocks, cpu_blocks, valid)`; block lists are little-endian u32 bytes.
-type LoadTuple<'py> = (u64, String, Bound<'py, PyBytes>, Bound<'py, PyBytes>, bool);
+/// `(id, req_id, gpu_blocks, cpu_blocks, valid, sync)`; block lists are little-endian u32 bytes.
+type LoadTuple<'py> = (
+    u64,
+    String,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    bool,
+    bool,
+);
 /// `(id, gpu_blocks, cpu_blocks, req_ids)`; block lists are little-endian u32 bytes.
 type StoreTuple<'py> = (u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Vec<String>);
 
@@ -34,13 +41,16 @@ fn hash_bytes<'py>(py: Python<'py>, h: offload_core::BlockHash) -> Bound<'py, Py
 #[pymethods]
 impl PyPlanner {
     #[new]
-    #[pyo3(signature = (block_size, num_cpu_blocks, world_size = 1, lazy = false, events = false))]
+    #[pyo3(signature = (
+        block_size, num_cpu_blocks, world_size = 1, lazy = false, events = false, sync_loads = false
+    ))]
     fn new(
         block_size: i64,
         num_cpu_blocks: i64,
         world_size: i64,
         lazy: bool,
         events: bool,
+        sync_loads: bool,
     ) -> PyResult<Self> {
         let pos = |v: i64, what: &str| {
             u32::try_from(v)
@@ -55,6 +65,7 @@ impl PyPlanner {
                 world_size: pos(world_size, "world_size")?,
                 lazy,
                 events,
+                sync_loads,
             }),
         })
     }
@@ -351,6 +362,7 @@ fn step_to_py(
                 ids_to_bytes(py, &l.gpu_blocks),
                 ids_to_bytes(py, &l.cpu_blocks),
                 l.valid,
+                l.sync,
             )
         })
         .collect();
