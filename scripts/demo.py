@@ -180,9 +180,8 @@ def main() -> int:
     saved = base["recomputed"] - off["recomputed"]
     print(f"outputs token-identical: {'yes' if same else 'NO'}")
     if base["recomputed"]:
-        print(
-            f"prefill recomputation saved: {saved:,} tokens ({100 * saved / base['recomputed']:.0f}%)"
-        )
+        share = 100 * saved / base["recomputed"]
+        print(f"prefill recomputation saved: {saved:,} tokens ({share:.0f}%)")
     print()
     print(
         "On a GPU server: pass your model as the first argument, and size vLLM's cache and the\n"

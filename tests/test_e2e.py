@@ -69,11 +69,16 @@ def test_shared_prompts_beyond_gpu_cache_are_served_from_cpu(
         assert cpu_hit_tokens(llm) > 0
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize(
+    ("lazy", "load_mode"),
+    [(False, "auto"), (True, "auto"), (False, "async"), (True, "async")],
+    ids=["eager", "lazy", "eager-async-loads", "lazy-async-loads"],
+)
 def test_reset_prefix_cache_then_served_from_cpu(
-    tiny_model: Path, reference: list[list[int]], lazy: bool
+    tiny_model: Path, reference: list[list[int]], lazy: bool, load_mode: str
 ) -> None:
-    with engine(tiny_model, offload_config(lazy_offload=lazy), **ENGINE_ARGS) as llm:
+    cfg = offload_config(lazy_offload=lazy, load_mode=load_mode)
+    with engine(tiny_model, cfg, **ENGINE_ARGS) as llm:
         assert generate(llm, PROMPTS) == reference
         if lazy:
             # Lazy mode offloads blocks as they near eviction: push the prompts out of
@@ -104,6 +109,7 @@ def test_cpu_pool_smaller_than_one_prompt(tiny_model: Path, reference: list[list
         ({"cpu_bytes_to_use": [1]}, "cpu_bytes_to_use"),
         ({"cpu_bytes_to_use_per_rank": -3}, "cpu_bytes_to_use_per_rank"),
         ({"lazy_offload": "sometimes"}, "lazy_offload"),
+        ({"load_mode": "eventually"}, "load_mode"),
     ],
 )
 def test_bad_config_fails_engine_construction_naming_the_key(

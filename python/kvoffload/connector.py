@@ -19,6 +19,7 @@ from kvoffload.vllm_adapter import (
     bytes_per_block,
     extra_config,
     kv_events_enabled,
+    kv_in_host_memory,
     logger,
     max_num_batched_tokens,
     num_gpu_blocks,
@@ -91,6 +92,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
                 num_cpu_blocks=num_cpu_blocks,
                 events=kv_events_enabled(vllm_config),
                 max_num_batched_tokens=max_num_batched_tokens(vllm_config),
+                sync_loads=config.sync_loads(kv_in_host_memory()),
             )
             logger.info(
                 "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
@@ -106,7 +108,10 @@ class KVOffloadConnector(KVConnectorBase_V1):
                 num_cpu_blocks=num_cpu_blocks,
                 bytes_per_block=per_block,
                 num_gpu_blocks=num_gpu_blocks(kv_cache_config),
+                faults=config.faults,
             )
+            if config.faults:
+                logger.warning("KVOffloadConnector: injecting copy faults: %s", config.faults)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -171,11 +176,14 @@ class KVOffloadConnector(KVConnectorBase_V1):
             self._worker.submit(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        # Loads are submitted when the metadata is bound, ahead of the forward pass.
-        return
+        # Loads were submitted when the metadata was bound; synchronous ones (vLLM calls
+        # this before the forward pass when the step has any) must be done now.
+        if self._worker is not None:
+            self._worker.finish_sync_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: the request runs only after they completed.
+        # Synchronous loads finished in start_load_kv; asynchronous ones gate the
+        # request in the scheduler.
         return
 
     def save_kv_layer(

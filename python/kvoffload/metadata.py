@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 from kvoffload.vllm_adapter import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-#: ``(transfer_id, req_id, gpu_blocks, cpu_blocks, valid)``; block lists are little-endian
-#: ``u32`` bytes, which pickle and cross into Rust without a Python object per block.
-LoadSpec = tuple[int, str, bytes, bytes, bool]
+#: ``(transfer_id, req_id, gpu_blocks, cpu_blocks, valid, sync)``; block lists are
+#: little-endian ``u32`` bytes, which pickle and cross into Rust without a Python object
+#: per block. ``sync`` loads finish before the step's forward pass.
+LoadSpec = tuple[int, str, bytes, bytes, bool, bool]
 #: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
 StoreSpec = tuple[int, bytes, bytes, list[str]]
 

@@ -31,6 +31,7 @@ class OffloadScheduler:
         num_cpu_blocks: int,
         events: bool,
         max_num_batched_tokens: int,
+        sync_loads: bool,
     ) -> None:
         self._planner = Planner(
             block_size,
@@ -38,7 +39,9 @@ class OffloadScheduler:
             world_size=config.world_size,
             lazy=config.lazy_offload,
             events=events,
+            sync_loads=sync_loads,
         )
+        self._async_loads = not sync_loads
         self._lazy = config.lazy_offload
         self._lazy_limit = LAZY_WATERMARK_STEPS * -(-max_num_batched_tokens // block_size)
         # The request's own hash list: vLLM extends it in place as blocks fill.
@@ -60,7 +63,7 @@ class OffloadScheduler:
         hashes = request.block_hashes
         self._hash_lists[req_id] = hashes
         hit = self._planner.lookup(req_id, hashes, request.num_tokens, num_computed_tokens)
-        return hit, hit > 0
+        return hit, hit > 0 and self._async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         gpu = allocated_block_ids(blocks) if num_external_tokens > 0 else None

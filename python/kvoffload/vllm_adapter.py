@@ -33,6 +33,7 @@ __all__ = [
     "ScheduledLists",
     "bytes_per_block",
     "kv_events",
+    "kv_in_host_memory",
     "kv_regions",
     "logger",
 ]
@@ -50,10 +51,20 @@ except ImportError:  # pragma: no cover - older vLLM
 # ---- configuration ----------------------------------------------------------------------
 
 
+#: Environment variable that injects copy faults (tests), like the ``kvoffload.faults`` key.
+FAULTS_ENV = "KVOFFLOAD_FAULTS"
+
+
 def extra_config(vllm_config: Any) -> dict[str, Any]:
-    """``kv_connector_extra_config`` (empty when absent)."""
+    """``kv_connector_extra_config`` (empty when absent), plus ``KVOFFLOAD_FAULTS`` from the
+    environment when the config does not set ``kvoffload.faults``."""
+    import os
+
     ktc = vllm_config.kv_transfer_config
-    return dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+    extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+    if "kvoffload.faults" not in extra and os.environ.get(FAULTS_ENV):
+        extra["kvoffload.faults"] = os.environ[FAULTS_ENV]
+    return extra
 
 
 def world_size(vllm_config: Any) -> int:
@@ -67,6 +78,13 @@ def prefix_caching_enabled(vllm_config: Any) -> bool:
 def kv_events_enabled(vllm_config: Any) -> bool:
     cfg = getattr(vllm_config, "kv_events_config", None)
     return bool(cfg is not None and cfg.enable_kv_cache_events)
+
+
+def kv_in_host_memory() -> bool:
+    """Whether vLLM keeps KV in host memory (its CPU backend): copies are memcpy."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def max_num_batched_tokens(vllm_config: Any) -> int:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvoffload._native import KVOffloadError, TransferEngine
+from kvoffload.cuda_events import CUDA, engine_backend, record_compute_event
 from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import CounterDeltas, KVOffloadStats
 from kvoffload.vllm_adapter import kv_regions, logger
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 #: How long a preempted request's in-flight stores may take before the step goes on
 #: without them (a copy that slow means the device is broken; the error is logged).
 PREEMPTION_FENCE_TIMEOUT_S = 30.0
+SYNC_LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 5.0
 
 
@@ -32,7 +34,15 @@ def block_list(raw: bytes) -> list[int]:
 class OffloadWorker:
     """Submits each step's copies at once and reports completions without blocking."""
 
-    def __init__(self, *, num_cpu_blocks: int, bytes_per_block: int, num_gpu_blocks: int) -> None:
+    def __init__(
+        self,
+        *,
+        num_cpu_blocks: int,
+        bytes_per_block: int,
+        num_gpu_blocks: int,
+        faults: str | None = None,
+    ) -> None:
+        self._faults = faults
         self._num_cpu_blocks = num_cpu_blocks
         self._bytes_per_block = bytes_per_block
         self._num_gpu_blocks = num_gpu_blocks
@@ -44,7 +54,14 @@ class OffloadWorker:
         self._done_ids: list[int] = []
         self._done_ok: list[bool] = []
         self._load_errors: set[int] = set()
+        self._sync_loads: list[int] = []
+        # Loads already reported failed whose copies may still complete later.
+        self._abandoned: set[int] = set()
         self._stats = CounterDeltas()
+        # CUDA backend: each in-flight store's compute-stream event, kept alive until the
+        # store completes (the engine's stream waits on it; see cuda_events).
+        self._cuda = False
+        self._store_events: dict[int, Any] = {}
 
     @property
     def engine(self) -> TransferEngine | None:
@@ -60,16 +77,21 @@ class OffloadWorker:
             )
             logger.error(msg)
             raise KVOffloadError(msg)
+        backend, device = engine_backend(kv_caches)
+        self._cuda = backend == CUDA
         self._engine = TransferEngine(
             [(r.base, r.num_blocks, r.block_bytes, r.block_stride) for r in regions],
             self._num_cpu_blocks,
+            backend=backend,
+            device=device,
+            faults=self._faults,
         )
         logger.info(
             "KVOffloadConnector worker: %d regions, %d CPU blocks, %.2f GiB host memory (%s)",
             len(regions),
             self._num_cpu_blocks,
             self._engine.host_bytes / 2**30,
-            self._engine.backend,
+            self._engine.backend_detail,
         )
 
     def handle_preemptions(self, metadata: KVOffloadMetadata) -> None:
@@ -90,7 +112,8 @@ class OffloadWorker:
             self._record(tid, ok, err)
 
     def submit(self, metadata: KVOffloadMetadata) -> None:
-        for tid, _req_id, gpu, cpu, valid in metadata.loads:
+        self._sync_loads = []
+        for tid, _req_id, gpu, cpu, valid, sync in metadata.loads:
             if not valid or self._engine is None:
                 self._fail_load(tid, gpu, "no CPU hit backs this load")
                 continue
@@ -100,6 +123,9 @@ class OffloadWorker:
             except KVOffloadError as e:
                 self._loads.pop(tid, None)
                 self._fail_load(tid, gpu, str(e))
+                continue
+            if sync:
+                self._sync_loads.append(tid)
         if metadata.store is not None:
             tid, gpu, cpu, req_ids = metadata.store
             if self._engine is None:
@@ -107,10 +133,33 @@ class OffloadWorker:
                 return
             self._stores[tid] = frozenset(req_ids)
             try:
-                self._engine.submit(tid, True, gpu, cpu)
+                wait_event = None
+                if self._cuda:
+                    # Stores must not read blocks the compute stream is still writing.
+                    self._store_events[tid], wait_event = record_compute_event()
+                self._engine.submit(tid, True, gpu, cpu, wait_event)
             except KVOffloadError as e:
                 self._stores.pop(tid, None)
                 self._record(tid, False, str(e))
+
+    def finish_sync_loads(self) -> None:
+        """Waits for this step's synchronous loads: their requests run in this forward."""
+        if not self._sync_loads or self._engine is None:
+            return
+        pending, self._sync_loads = self._sync_loads, []
+        try:
+            done = self._engine.wait_for(pending, SYNC_LOAD_TIMEOUT_S)
+        except KVOffloadError as e:
+            # The blocks cannot be trusted: report them failed so vLLM recomputes.
+            logger.error("kvoffload: synchronous loads did not finish: %s", e)
+            for tid in pending:
+                gpu = self._loads.pop(tid, None)
+                if gpu is not None:
+                    self._abandoned.add(tid)
+                    self._fail_load(tid, gpu, str(e))
+            return
+        for tid, ok, err in done:
+            self._record(tid, ok, err)
 
     def poll(self) -> None:
         if self._engine is None:
@@ -149,8 +198,12 @@ class OffloadWorker:
         self._done_ok.append(False)
 
     def _record(self, tid: int, ok: bool, err: str | None) -> None:
+        if tid in self._abandoned:
+            self._abandoned.discard(tid)
+            return
         gpu = self._loads.pop(tid, None)
         self._stores.pop(tid, None)
+        self._store_events.pop(tid, None)
         if not ok:
             if gpu is not None:
                 self._load_errors.update(block_list(gpu))

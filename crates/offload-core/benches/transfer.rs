@@ -114,11 +114,7 @@ fn bench_jobs(
                 let mut submit_total = Duration::ZERO;
                 for _ in 0..iters {
                     next_id += 1;
-                    let job = TransferJob {
-                        id: next_id,
-                        direction: Direction::Store,
-                        pairs: pairs.clone(),
-                    };
+                    let job = TransferJob::new(next_id, Direction::Store, pairs.clone());
                     let start = Instant::now();
                     engine.submit(job).expect("submit");
                     submit_total += start.elapsed();

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::error::ConfigError;
+use crate::transfer::FaultPlan;
 
 /// Key: total CPU bytes for offloaded KV across all ranks.
 pub const KEY_CPU_BYTES: &str = "cpu_bytes_to_use";
@@ -13,6 +14,8 @@ pub const KEY_CPU_BYTES_PER_RANK: &str = "cpu_bytes_to_use_per_rank";
 pub const KEY_LAZY: &str = "lazy_offload";
 /// Key: how loads are scheduled: `"auto"`, `"sync"` or `"async"` (see [`LoadMode`]).
 pub const KEY_LOAD_MODE: &str = "load_mode";
+/// Key (tests only): faults to inject into the copy engine, see [`FaultPlan::parse`].
+pub const KEY_FAULTS: &str = "kvoffload.faults";
 
 /// When a load from CPU completes relative to the request that needs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -94,6 +97,8 @@ pub struct OffloadConfig {
     pub lazy_offload: bool,
     /// When loads complete relative to the requests that need them.
     pub load_mode: LoadMode,
+    /// Faults to inject into copies (tests); inactive by default.
+    pub faults: FaultPlan,
     /// Number of ranks that must report a store before its blocks are published.
     pub world_size: u32,
 }
@@ -143,6 +148,23 @@ impl OffloadConfig {
             None | Some(ConfigValue::Null) => LoadMode::Auto,
             Some(v) => parse_load_mode(v)?,
         };
+        let faults = match map.get(KEY_FAULTS) {
+            None | Some(ConfigValue::Null) => FaultPlan::default(),
+            Some(ConfigValue::Str(spec)) => {
+                FaultPlan::parse(spec).map_err(|e| ConfigError::InvalidValue {
+                    key: KEY_FAULTS.to_string(),
+                    value: format!("{spec:?} ({e})"),
+                    reason: "see FaultPlan::parse",
+                })?
+            }
+            Some(v) => {
+                return Err(ConfigError::WrongType {
+                    key: KEY_FAULTS.to_string(),
+                    expected: "a string like \"fail_loads_every=3,delay_ms=5\"",
+                    got: v.to_string(),
+                })
+            }
+        };
         let cpu_bytes_per_rank = match (per_rank, total) {
             (Some(p), Some(t)) => {
                 let split = t / u64::from(world_size);
@@ -159,7 +181,12 @@ impl OffloadConfig {
             (None, None) => split_total(DEFAULT_CPU_BYTES, world_size)?,
         };
         for key in map.keys() {
-            let known = [KEY_CPU_BYTES, KEY_CPU_BYTES_PER_RANK, KEY_LAZY, KEY_LOAD_MODE];
+            let known = [
+                KEY_CPU_BYTES,
+                KEY_CPU_BYTES_PER_RANK,
+                KEY_LAZY,
+                KEY_LOAD_MODE,
+            ];
             if !known.contains(&key.as_str()) && !key.starts_with("kvoffload.") {
                 warnings.push(format!("unknown kvoffload config key `{key}` is ignored"));
             }
@@ -172,6 +199,7 @@ impl OffloadConfig {
                 cpu_bytes_per_rank,
                 lazy_offload,
                 load_mode,
+                faults,
                 world_size,
             },
             warnings,
@@ -394,8 +422,14 @@ mod tests {
     fn load_mode_parses_and_rejects_other_values() {
         let mode = |v| parse(&[(KEY_LOAD_MODE, v)], 1).map(|p| p.config.load_mode);
         assert_eq!(parse(&[], 1).unwrap().config.load_mode, LoadMode::Auto);
-        assert_eq!(mode(ConfigValue::Str("Sync".into())).unwrap(), LoadMode::Sync);
-        assert_eq!(mode(ConfigValue::Str("async".into())).unwrap(), LoadMode::Async);
+        assert_eq!(
+            mode(ConfigValue::Str("Sync".into())).unwrap(),
+            LoadMode::Sync
+        );
+        assert_eq!(
+            mode(ConfigValue::Str("async".into())).unwrap(),
+            LoadMode::Async
+        );
         for bad in [ConfigValue::Str("later".into()), ConfigValue::Bool(true)] {
             let msg = mode(bad).unwrap_err().to_string();
             assert!(msg.contains(KEY_LOAD_MODE), "{msg}");
@@ -407,11 +441,26 @@ mod tests {
     }
 
     #[test]
+    fn fault_spec_is_validated() {
+        let p = parse(
+            &[(KEY_FAULTS, ConfigValue::Str("fail_loads_every=2".into()))],
+            1,
+        )
+        .unwrap();
+        assert_eq!(p.config.faults.fail_loads_every, 2);
+        assert!(!parse(&[], 1).unwrap().config.faults.is_active());
+        for bad in [ConfigValue::Str("explode=1".into()), ConfigValue::Int(3)] {
+            let msg = parse(&[(KEY_FAULTS, bad)], 1).unwrap_err().to_string();
+            assert!(msg.contains(KEY_FAULTS), "{msg}");
+        }
+    }
+
+    #[test]
     fn unknown_keys_warn_but_parse() {
         let p = parse(&[("cpu_bytes", ConfigValue::Int(1))], 1).unwrap();
         assert_eq!(p.warnings.len(), 1);
         assert!(p.warnings[0].contains("cpu_bytes"));
-        let p = parse(&[("kvoffload.fault.fail_loads", ConfigValue::Int(1))], 1).unwrap();
+        let p = parse(&[("kvoffload.other", ConfigValue::Int(1))], 1).unwrap();
         assert!(p.warnings.is_empty());
     }
 

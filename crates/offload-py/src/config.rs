@@ -33,6 +33,15 @@ impl PyOffloadConfig {
         self.inner.world_size
     }
 
+    /// The fault-injection spec for the transfer engine, or `None` when inactive.
+    #[getter]
+    fn faults(&self) -> Option<String> {
+        self.inner
+            .faults
+            .is_active()
+            .then(|| self.inner.faults.to_string())
+    }
+
     /// Whether loads are synchronous, given where vLLM keeps the KV cache.
     fn sync_loads(&self, kv_in_host_memory: bool) -> bool {
         self.inner.load_mode.is_sync(kv_in_host_memory)

@@ -3,14 +3,15 @@
 use std::time::Duration;
 
 use offload_core::transfer::{
-    Completion, Direction, RegionSpec, TransferConfig, TransferEngine, TransferError, TransferJob,
+    BackendKind, Completion, CudaOptions, Direction, FaultPlan, RegionSpec, TransferConfig,
+    TransferEngine, TransferError, TransferJob,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::{
-    DEVICE_ERROR, ENGINE_SHUTDOWN_ERROR, HOST_MEMORY_ERROR, INVALID_INPUT_ERROR, QUEUE_FULL_ERROR,
-    TRANSFER_ERROR,
+    CONFIG_ERROR, DEVICE_ERROR, ENGINE_SHUTDOWN_ERROR, HOST_MEMORY_ERROR, INVALID_INPUT_ERROR,
+    QUEUE_FULL_ERROR, TRANSFER_ERROR,
 };
 
 /// `(transfer_id, ok, error message or None)`.
@@ -30,11 +31,14 @@ pub(crate) fn transfer_err(e: TransferError) -> PyErr {
         TransferError::Shutdown { .. } | TransferError::ShutdownTimeout { .. } => {
             ENGINE_SHUTDOWN_ERROR.err(msg)
         }
-        TransferError::Backend { .. } | TransferError::Fatal { .. } => DEVICE_ERROR.err(msg),
+        TransferError::Backend { .. } | TransferError::Fatal { .. } | TransferError::Cuda(_) => {
+            DEVICE_ERROR.err(msg)
+        }
         TransferError::Memory(_) => HOST_MEMORY_ERROR.err(msg),
         TransferError::ThreadSpawn { .. }
         | TransferError::Timeout { .. }
-        | TransferError::Busy { .. } => TRANSFER_ERROR.err(msg),
+        | TransferError::Busy { .. }
+        | TransferError::NotReady { .. } => TRANSFER_ERROR.err(msg),
     }
 }
 
@@ -76,14 +80,48 @@ impl PyTransferEngine {
     /// The addresses must be live KV tensors that outlive the engine (the connector
     /// passes `tensor.data_ptr()` of the tensors vLLM registered); like ctypes, a wrong
     /// address here is memory corruption, which is why only the connector builds engines.
+    ///
+    /// `backend`: `"host"` (memcpy; CPU tensors) or `"cuda"` (the CUDA driver, loaded at
+    /// run time; `device` is the tensors' CUDA ordinal, `cuda_batch=False` forces the
+    /// `cuMemcpyAsync` loop). With `"cuda"` the host memory is pinned in the background:
+    /// see `ready`.
+    ///
+    /// `faults`: a fault-injection spec for tests (`"fail_loads_every=3,delay_ms=5"`,
+    /// see `offload_core::transfer::FaultPlan`); `None` injects nothing.
     #[new]
-    #[pyo3(signature = (regions, num_cpu_blocks, hugepages = false))]
+    #[pyo3(signature = (
+        regions, num_cpu_blocks, hugepages = false, backend = "host", device = 0,
+        cuda_batch = true, faults = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         regions: Vec<(u64, u32, usize, usize)>,
         num_cpu_blocks: u32,
         hugepages: bool,
+        backend: &str,
+        device: i32,
+        cuda_batch: bool,
+        faults: Option<&str>,
     ) -> PyResult<Self> {
+        let faults = faults
+            .map(FaultPlan::parse)
+            .transpose()
+            .map_err(|e| CONFIG_ERROR.err(format!("kvoffload.faults: {e}")))?
+            .unwrap_or_default();
+        let kind = match backend {
+            "host" => BackendKind::Host,
+            "cuda" => BackendKind::Cuda(CudaOptions {
+                device,
+                allow_batch: cuda_batch,
+                ..CudaOptions::default()
+            }),
+            other => {
+                return Err(INVALID_INPUT_ERROR.err(format!(
+                    "backend must be \"host\" or \"cuda\", got {other:?}"
+                )))
+            }
+        };
         let specs = regions
             .into_iter()
             .map(|(base, n, bytes, stride)| {
@@ -94,15 +132,22 @@ impl PyTransferEngine {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(transfer_err)?;
-        let mut config = TransferConfig::default();
+        let mut config = TransferConfig {
+            faults,
+            ..TransferConfig::default()
+        };
         config.memory.hugepages = hugepages;
         let inner = py
-            .detach(|| TransferEngine::new(specs, num_cpu_blocks, config))
+            .detach(|| TransferEngine::open(specs, num_cpu_blocks, config, kind))
             .map_err(transfer_err)?;
         Ok(Self { inner })
     }
 
     /// Queues one copy without blocking; block lists are little-endian u32 bytes.
+    ///
+    /// `wait_event`: a raw CUDA event handle (`torch.cuda.Event().cuda_event`) the copies
+    /// must wait for; keep the event object alive until this transfer's completion.
+    #[pyo3(signature = (transfer_id, store, gpu_blocks, cpu_blocks, wait_event = None))]
     fn submit(
         &self,
         py: Python<'_>,
@@ -110,6 +155,7 @@ impl PyTransferEngine {
         store: bool,
         gpu_blocks: &[u8],
         cpu_blocks: &[u8],
+        wait_event: Option<u64>,
     ) -> PyResult<()> {
         let gpu = ids_from_bytes(gpu_blocks, "gpu_blocks")?;
         let cpu = ids_from_bytes(cpu_blocks, "cpu_blocks")?;
@@ -128,6 +174,7 @@ impl PyTransferEngine {
                 Direction::Load
             },
             pairs: gpu.into_iter().zip(cpu).collect(),
+            wait_event,
         };
         py.detach(|| self.inner.submit(job)).map_err(transfer_err)
     }
@@ -212,6 +259,27 @@ impl PyTransferEngine {
     #[getter]
     fn backend(&self) -> &'static str {
         self.inner.backend_name()
+    }
+
+    /// E.g. `"cuda (driver 13.0, device 0, cuMemcpyBatchAsync_v2)"`.
+    #[getter]
+    fn backend_detail(&self) -> String {
+        self.inner.backend_detail().to_owned()
+    }
+
+    /// Whether the host memory is attached (for CUDA: pinned). Transfers submitted before
+    /// wait in the queue.
+    #[getter]
+    fn ready(&self) -> bool {
+        self.inner.is_ready()
+    }
+
+    /// Blocks (without the GIL) until `ready`; raises `DeviceError` if pinning failed and
+    /// `TransferError` on timeout.
+    fn wait_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = duration(timeout_s, "timeout_s")?;
+        py.detach(|| self.inner.wait_ready(timeout))
+            .map_err(transfer_err)
     }
 
     /// Counters since construction, by name.

@@ -17,7 +17,16 @@
 //! Completions are reported in submission order. A job that fails (bad id, backend error)
 //! fails alone; a backend error marked fatal makes the engine sticky-failed, and every later
 //! submit names the original fault.
+//!
+//! Backends: [`HostCopyBackend`] (memcpy; CPU-only servers and tests) and
+//! [`CudaCopyBackend`] (the CUDA driver, loaded at run time; see [`cuda`]). The backend's
+//! [`attach`](CopyBackend::attach) (e.g. pinning the host memory) runs on the copy thread, so
+//! construction returns at once; [`TransferEngine::is_ready`] turns true when it finished,
+//! and jobs submitted before that simply wait in the queue.
 
+pub mod cuda;
+mod cuda_sys;
+pub mod fault;
 mod host;
 mod region;
 
@@ -34,6 +43,8 @@ use crossbeam_channel::{
 
 use crate::memory::{HostMemory, HostMemoryOptions, MemoryError};
 
+pub use cuda::{BatchApi, CudaCopyBackend, CudaDriver, CudaError, CudaOptions};
+pub use fault::{FaultInjector, FaultPlan, FaultSpecError};
 pub use host::HostCopyBackend;
 pub use region::{coalesce, CopyRun, RegionSpec};
 
@@ -85,6 +96,30 @@ pub struct TransferJob {
     /// `(gpu block, cpu block)` pairs. Each pair copies that device block of every region
     /// to/from that CPU block. Keep them in block order: consecutive runs become one copy.
     pub pairs: Vec<(u32, u32)>,
+    /// A device event (a `CUevent` / `cudaEvent_t` handle, e.g. PyTorch's
+    /// `torch.cuda.Event.cuda_event`) that the copies must wait for: the backend orders them
+    /// after the event's most recent record (see [`CopyBackend::wait_event`]). Stores pass an
+    /// event recorded on the compute stream so they never read blocks still being written.
+    /// The event must stay alive until the job's [`Completion`] arrives. `None`: no wait.
+    pub wait_event: Option<u64>,
+}
+
+impl TransferJob {
+    /// A job without a wait event.
+    pub fn new(id: u64, direction: Direction, pairs: Vec<(u32, u32)>) -> Self {
+        Self {
+            id,
+            direction,
+            pairs,
+            wait_event: None,
+        }
+    }
+
+    /// The same job, ordered after `event` (see [`TransferJob::wait_event`]).
+    pub fn with_wait_event(mut self, event: u64) -> Self {
+        self.wait_event = Some(event);
+        self
+    }
 }
 
 /// The outcome of one job.
@@ -158,6 +193,22 @@ pub trait CopyBackend: Send + 'static {
     fn attach(&mut self, host_base: u64, host_len: usize) -> Result<(), BackendError> {
         let _ = (host_base, host_len);
         Ok(())
+    }
+
+    /// Orders the next `submit`'s copies after `event`, a device event handle supplied by
+    /// the caller ([`TransferJob::wait_event`]). Called right before that `submit`. A backend
+    /// without device events refuses (the default), failing the job: silently ignoring the
+    /// event could read blocks still being written.
+    fn wait_event(&mut self, event: u64) -> Result<(), BackendError> {
+        Err(BackendError::job(format!(
+            "the {} backend cannot wait on device event {event:#x}",
+            self.name()
+        )))
+    }
+
+    /// A one-line description for logs (e.g. the driver version and copy path).
+    fn describe(&self) -> String {
+        self.name().to_owned()
     }
 
     /// Starts the copies of one job and returns a ticket to poll. The runs of one job never
@@ -295,6 +346,15 @@ pub enum TransferError {
         /// Jobs submitted and not completed.
         unfinished: u64,
     },
+    /// The CUDA driver could not be loaded or the CUDA backend could not be built.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// `wait_ready` ran out of time before the backend finished attaching (pinning).
+    #[error("transfer engine not ready after {timeout_ms} ms (host memory still being pinned)")]
+    NotReady {
+        /// The timeout.
+        timeout_ms: u128,
+    },
 }
 
 /// Tunables of a [`TransferEngine`].
@@ -309,6 +369,8 @@ pub struct TransferConfig {
     pub poll_interval: Duration,
     /// How the host memory is allocated.
     pub memory: HostMemoryOptions,
+    /// Faults to inject ([`TransferEngine::open`] wraps the backend when any is set).
+    pub faults: FaultPlan,
 }
 
 impl Default for TransferConfig {
@@ -318,8 +380,18 @@ impl Default for TransferConfig {
             max_in_flight: 64,
             poll_interval: Duration::from_micros(50),
             memory: HostMemoryOptions::default(),
+            faults: FaultPlan::default(),
         }
     }
+}
+
+/// Which backend [`TransferEngine::open`] builds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendKind {
+    /// [`HostCopyBackend`]: both sides are host memory (CPU servers, tests).
+    Host,
+    /// [`CudaCopyBackend`] on the driver from [`CudaDriver::load`], with these options.
+    Cuda(CudaOptions),
 }
 
 /// A snapshot of the engine's counters.
@@ -361,6 +433,8 @@ struct Shared {
     /// The first fatal fault; once set, never cleared.
     fatal: OnceLock<String>,
     stopping: AtomicBool,
+    /// Set once the backend's `attach` succeeded (host memory pinned); never cleared.
+    ready: AtomicBool,
     /// Jobs accepted and not yet completed. The copy thread decrements it (Release) only
     /// after the backend is done with a job's memory, so observing 0 (Acquire) proves no copy
     /// touches host memory.
@@ -477,6 +551,7 @@ pub struct TransferEngine {
     thread: Option<JoinHandle<()>>,
     queue_capacity: usize,
     backend_name: &'static str,
+    backend_detail: String,
 }
 
 /// Used by `Drop`, which cannot be told a timeout.
@@ -497,6 +572,34 @@ impl TransferEngine {
         config: TransferConfig,
     ) -> Result<Self, TransferError> {
         Self::with_backend(regions, num_cpu_blocks, config, HostCopyBackend::new())
+    }
+
+    /// An engine with the backend `kind` names. For CUDA this loads the driver and checks the
+    /// device now (a missing or old driver fails here, as [`TransferError::Cuda`]); pinning
+    /// happens on the copy thread afterwards (see [`is_ready`](Self::is_ready)).
+    pub fn open(
+        regions: Vec<RegionSpec>,
+        num_cpu_blocks: u32,
+        config: TransferConfig,
+        kind: BackendKind,
+    ) -> Result<Self, TransferError> {
+        let faults = config.faults;
+        match kind {
+            BackendKind::Host if faults.is_active() => {
+                let backend = FaultInjector::new(HostCopyBackend::new(), faults);
+                Self::with_backend(regions, num_cpu_blocks, config, backend)
+            }
+            BackendKind::Host => Self::new(regions, num_cpu_blocks, config),
+            BackendKind::Cuda(options) => {
+                let backend = CudaCopyBackend::open(options)?;
+                if faults.is_active() {
+                    let backend = FaultInjector::new(backend, faults);
+                    Self::with_backend(regions, num_cpu_blocks, config, backend)
+                } else {
+                    Self::with_backend(regions, num_cpu_blocks, config, backend)
+                }
+            }
+        }
     }
 
     /// An engine with a custom backend, which moves to the copy thread.
@@ -528,6 +631,7 @@ impl TransferEngine {
         let (exited_tx, exited_rx) = bounded(1);
         let (done_tx, done_rx) = unbounded();
         let backend_name = backend.name();
+        let backend_detail = backend.describe();
         let id_bits = (layout.num_cpu_blocks.max(layout.gpu_limit) as usize).div_ceil(64);
         let worker = Worker {
             backend,
@@ -554,7 +658,7 @@ impl TransferEngine {
             })?;
         log::debug!(
             "transfer engine started: {} regions, {} cpu blocks of {} bytes ({} bytes host), \
-             backend {backend_name}",
+             backend {backend_detail}",
             layout.regions.len(),
             layout.num_cpu_blocks,
             layout.cpu_block_bytes,
@@ -572,6 +676,7 @@ impl TransferEngine {
             thread: Some(thread),
             queue_capacity: config.queue_capacity,
             backend_name,
+            backend_detail,
         })
     }
 
@@ -776,6 +881,39 @@ impl TransferEngine {
         self.backend_name
     }
 
+    /// The backend's description ([`CopyBackend::describe`]), e.g. the CUDA copy path.
+    pub fn backend_detail(&self) -> &str {
+        &self.backend_detail
+    }
+
+    /// Whether the backend finished attaching the host memory (for CUDA: pinned it). Jobs
+    /// submitted earlier wait in the queue; a server may report itself not ready meanwhile.
+    /// Stays `false` forever if the attach failed ([`fatal_error`](Self::fatal_error) says
+    /// why).
+    pub fn is_ready(&self) -> bool {
+        self.shared.ready.load(Ordering::Acquire)
+    }
+
+    /// Blocks until [`is_ready`](Self::is_ready), the attach failed (returns the fatal
+    /// error), or `timeout` passed ([`TransferError::NotReady`]).
+    pub fn wait_ready(&self, timeout: Duration) -> Result<(), TransferError> {
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            if self.is_ready() {
+                return Ok(());
+            }
+            if let Some(err) = self.shared.fatal_error() {
+                return Err(err);
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(TransferError::NotReady {
+                    timeout_ms: timeout.as_millis(),
+                });
+            }
+            std::thread::sleep(WAIT_SLICE);
+        }
+    }
+
     /// The first fatal fault, if the engine is sticky-failed.
     pub fn fatal_error(&self) -> Option<&str> {
         self.shared.fatal.get().map(String::as_str)
@@ -895,12 +1033,13 @@ struct Worker<B> {
 impl<B: CopyBackend> Worker<B> {
     fn run(mut self) {
         let _guard = PanicGuard(Arc::clone(&self.shared));
-        if let Err(err) = self.guarded(|b, host| b.attach(host.0, host.1)) {
-            self.shared.set_fatal(format!(
+        match self.guarded(|b, host| b.attach(host.0, host.1)) {
+            Ok(()) => self.shared.ready.store(true, Ordering::Release),
+            Err(err) => self.shared.set_fatal(format!(
                 "{} backend failed to attach host memory: {}",
                 self.backend.name(),
                 err.message()
-            ));
+            )),
         }
         loop {
             self.poll_outstanding();
@@ -983,6 +1122,13 @@ impl<B: CopyBackend> Worker<B> {
         for (region, offset) in self.layout.regions.iter().zip(&self.layout.cpu_offsets) {
             let area = self.host_base + *offset as u64;
             emit_runs(region, area, job.direction, &self.groups, &mut self.runs);
+        }
+        if let Some(event) = job.wait_event {
+            if let Err(err) = self.guarded(|backend, _| backend.wait_event(event)) {
+                let err = self.backend_failure(err);
+                self.push_finished(&job, Err(err));
+                return;
+            }
         }
         let runs = std::mem::take(&mut self.runs);
         let direction = job.direction;
@@ -1268,11 +1414,7 @@ mod tests {
     }
 
     fn job(id: u64, direction: Direction, pairs: &[(u32, u32)]) -> TransferJob {
-        TransferJob {
-            id,
-            direction,
-            pairs: pairs.to_vec(),
-        }
+        TransferJob::new(id, direction, pairs.to_vec())
     }
 
     fn run_one(engine: &TransferEngine, job: TransferJob) -> Completion {
@@ -1826,6 +1968,9 @@ mod tests {
             ..Default::default()
         };
         let engine = scripted_engine(&buf, backend);
+        let err = engine.wait_ready(WAIT).unwrap_err();
+        assert!(err.to_string().contains("no driver"), "{err}");
+        assert!(!engine.is_ready());
         // The attach runs on the copy thread; the job queued meanwhile fails either way.
         match engine.submit(job(0, Direction::Store, &[(0, 0)])) {
             Ok(()) => {
@@ -1839,6 +1984,101 @@ mod tests {
             }
             Err(err) => assert!(err.to_string().contains("no driver"), "{err}"),
         }
+    }
+
+    #[test]
+    fn the_host_backend_is_ready_at_once_and_refuses_wait_events() {
+        let buf = FakeGpu::new(16 * 8);
+        let engine = TransferEngine::new(vec![buf.region(16, 8, 8)], 16, config()).unwrap();
+        engine.wait_ready(WAIT).unwrap();
+        assert!(engine.is_ready());
+        assert_eq!(engine.backend_detail(), "host");
+        let done = run_one(
+            &engine,
+            job(1, Direction::Store, &[(0, 0)]).with_wait_event(0x1234),
+        );
+        let err = done.result.unwrap_err();
+        assert!(
+            matches!(err, TransferError::Backend { fatal: false, .. }),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("cannot wait on device event 0x1234"),
+            "{err}"
+        );
+        assert_eq!(
+            run_one(&engine, job(2, Direction::Store, &[(0, 0)])).result,
+            Ok(())
+        );
+    }
+
+    /// Records the order of backend calls.
+    struct OrderBackend {
+        inner: HostCopyBackend,
+        calls: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl CopyBackend for OrderBackend {
+        fn name(&self) -> &'static str {
+            "order"
+        }
+
+        fn wait_event(&mut self, event: u64) -> Result<(), BackendError> {
+            self.calls.lock().unwrap().push(format!("wait {event}"));
+            if event == 666 {
+                return Err(BackendError::fatal("device lost"));
+            }
+            Ok(())
+        }
+
+        unsafe fn submit(
+            &mut self,
+            direction: Direction,
+            runs: &[CopyRun],
+        ) -> Result<Ticket, BackendError> {
+            self.calls.lock().unwrap().push(format!("{direction}"));
+            // SAFETY: forwarded from our caller.
+            unsafe { self.inner.submit(direction, runs) }
+        }
+
+        fn query(&mut self, ticket: Ticket) -> Result<bool, BackendError> {
+            self.inner.query(ticket)
+        }
+    }
+
+    #[test]
+    fn a_wait_event_is_passed_before_its_copies_and_its_failure_fails_the_job() {
+        let buf = FakeGpu::new(16 * 8);
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let backend = OrderBackend {
+            inner: HostCopyBackend::new(),
+            calls: Arc::clone(&calls),
+        };
+        let engine =
+            TransferEngine::with_backend(vec![buf.region(16, 8, 8)], 16, config(), backend)
+                .unwrap();
+        let store = job(1, Direction::Store, &[(0, 0)]).with_wait_event(7);
+        assert_eq!(store.wait_event, Some(7));
+        assert_eq!(run_one(&engine, store).result, Ok(()));
+        assert_eq!(
+            run_one(&engine, job(2, Direction::Load, &[(0, 0)])).result,
+            Ok(())
+        );
+        // An empty job copies nothing and waits for nothing.
+        let empty = job(3, Direction::Store, &[]).with_wait_event(8);
+        assert_eq!(run_one(&engine, empty).result, Ok(()));
+        assert_eq!(*calls.lock().unwrap(), ["wait 7", "store", "load"]);
+        let failed = run_one(
+            &engine,
+            job(4, Direction::Store, &[(1, 1)]).with_wait_event(666),
+        );
+        assert!(matches!(
+            failed.result,
+            Err(TransferError::Backend { fatal: true, .. })
+        ));
+        assert_eq!(calls.lock().unwrap().last().unwrap(), "wait 666");
+        assert!(engine.fatal_error().unwrap().contains("device lost"));
     }
 
     #[test]

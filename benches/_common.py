@@ -1,0 +1,81 @@
+"""Helpers shared by the Python benchmarks: machine description, statistics, JSON output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures come from (printed and stored with every result)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    versions: dict[str, str] = {"python": platform.python_version()}
+    for mod in ("vllm", "torch"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            versions[mod] = str(getattr(m, "__version__", "?"))
+    return {
+        "cpu": model,
+        "cores": cores,
+        "gpu": _gpu_name(),
+        "date": datetime.date.today().isoformat(),
+        "versions": versions,
+    }
+
+
+def _gpu_name() -> str | None:
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            return str(torch.cuda.get_device_name(0))
+    except Exception:
+        return None
+    return None
+
+
+def describe(m: dict[str, Any]) -> str:
+    gpu = f", {m['gpu']}" if m.get("gpu") else ", no GPU"
+    v = ", ".join(f"{k} {val}" for k, val in m["versions"].items())
+    return f"{m['date']}: {m['cpu']}, {m['cores']} cores{gpu} ({v})"
+
+
+def summary_ns(samples: list[int]) -> dict[str, float]:
+    """Mean / p50 / p99 of nanosecond samples, in microseconds."""
+    if not samples:
+        return {"n": 0, "mean_us": 0.0, "p50_us": 0.0, "p99_us": 0.0}
+    s = sorted(samples)
+    p99 = s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+    return {
+        "n": len(s),
+        "mean_us": statistics.fmean(s) / 1e3,
+        "p50_us": s[len(s) // 2] / 1e3,
+        "p99_us": p99 / 1e3,
+    }
+
+
+def ratio(slow: float, fast: float) -> float:
+    return slow / fast if fast > 0 else float("inf")
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {path}")

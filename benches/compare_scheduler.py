@@ -1,0 +1,465 @@
+#!/usr/bin/env python
+"""Scheduler-side cost of CPU offloading: vLLM's SimpleCPUOffloadConnector vs kvoffload.
+
+A seeded serving trace is replayed through vLLM's real v1 ``Scheduler`` (no model, no
+engine core): requests built from 32 shared 2048-token system prompts plus 256 unique
+tokens each, 64 output tokens, Poisson arrivals (0.2 per step), block size 16,
+``max_num_seqs`` 128, ``max_num_batched_tokens`` 8192, a GPU cache of 1665 blocks and a
+CPU pool of 48,505 blocks. A fake model runner samples one token for every request whose
+prefill is complete, and emulates each connector's worker: the copies a step's metadata
+asks for are reported done in the next step's output, through the connector's own worker
+metadata (Simple: ``SimpleCPUOffloadWorkerMetadata`` + ``finished_recving``; kvoffload:
+``KVOffloadWorkerMetadata``). Simple's worker needs CUDA, its scheduler role does not.
+
+Only the connectors' scheduler-side methods are timed for the connector figures (every
+call vLLM makes on the scheduler-role connector, nested calls counted once); the
+scheduler figure is ``schedule()`` + ``update_from_output()`` + ``has_requests()`` per
+step, connector included.
+
+Run: ``.venv/bin/python benches/compare_scheduler.py [--requests N] [--json out.json]``
+(``--smoke`` for a tiny run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, describe, machine, ratio, summary_ns, write_json
+
+BLOCK_SIZE = 16
+#: The tiny Llama's KV geometry (2 layers, 2 KV heads of 32, float32): 16 KiB per block.
+NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 2, 2, 32
+SAMPLED_TOKEN = 7
+
+#: Every method vLLM calls on a scheduler-role connector (those a connector lacks are
+#: skipped).
+SCHEDULER_METHODS = (
+    "get_num_new_matched_tokens",
+    "get_external_cache_hit_sources",
+    "get_loaded_kv_cache_group_ids",
+    "update_state_after_alloc",
+    "update_state_after_free",
+    "on_new_request",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "register_finished_partial_tail",
+    "take_events",
+    "take_unavailable_requests",
+    "has_pending_block_frees",
+    "has_pending_push_work",
+    "get_kv_connector_stats",
+)
+
+CONNECTORS = {"simple": "SimpleCPUOffloadConnector", "kvoffload": "KVOffloadConnector"}
+
+
+@dataclass(frozen=True)
+class Trace:
+    requests: int = 2000
+    systems: int = 32
+    system_tokens: int = 2048
+    unique_tokens: int = 256
+    output_tokens: int = 64
+    arrival_rate: float = 0.2
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 8192
+    gpu_blocks: int = 1665
+    cpu_blocks: int = 48_505
+    seed: int = 0
+
+
+SMOKE = Trace(requests=40, systems=4, gpu_blocks=600, cpu_blocks=2000, arrival_rate=0.5)
+
+
+def arrivals(trace: Trace) -> list[tuple[int, int, list[int]]]:
+    """``(arrival_step, system prompt index, unique tokens)`` per request, seeded."""
+    rng = random.Random(trace.seed)
+    t = 0.0
+    out = []
+    for _ in range(trace.requests):
+        t += rng.expovariate(trace.arrival_rate)
+        sys_idx = rng.randrange(trace.systems)
+        out.append((int(t), sys_idx, [rng.randrange(3, 1000) for _ in range(trace.unique_tokens)]))
+    return out
+
+
+def system_prompts(trace: Trace) -> list[list[int]]:
+    rng = random.Random(trace.seed + 1)
+    return [
+        [rng.randrange(3, 1000) for _ in range(trace.system_tokens)] for _ in range(trace.systems)
+    ]
+
+
+# ---- vLLM objects ---------------------------------------------------------------------------
+
+
+def model_dir(arg: str | None) -> Path:
+    """A tiny model directory (only its config is read): given, /tmp/tiny_llama, or built."""
+    if arg:
+        return Path(arg)
+    if (Path("/tmp/tiny_llama") / "config.json").exists():
+        return Path("/tmp/tiny_llama")
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_model import build_tiny_llama
+
+    return build_tiny_llama(Path.home() / ".cache" / "kvoffload" / "tiny_llama")
+
+
+def build_scheduler(trace: Trace, model: Path, connector: str, lazy: bool) -> Any:
+    import torch
+    from kvoffload.plugin import register
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    register()
+    max_len = trace.system_tokens + trace.unique_tokens + trace.output_tokens + BLOCK_SIZE
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    page = spec.page_size_bytes
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    n = trace.gpu_blocks
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": trace.cpu_blocks * page * NUM_LAYERS,
+        "lazy_offload": lazy,
+    }
+    if connector == "kvoffload":
+        # Simple always loads asynchronously (the request waits a step for its blocks);
+        # kvoffload would pick synchronous loads on vLLM's CPU backend, which changes
+        # the schedule. Compare like with like, as on a GPU.
+        extra["load_mode"] = "async"
+    kv_cache_config = KVCacheConfig(
+        num_blocks=n,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=n * page * NUM_LAYERS, layers=layers, layer_stride=n * page, block_stride=page
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model),
+            dtype="float32",
+            max_model_len=max_len,
+            skip_tokenizer_init=True,
+            seed=0,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=trace.max_num_seqs,
+            max_num_batched_tokens=trace.max_num_batched_tokens,
+            max_model_len=max_len,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTORS[connector],
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+    )
+    vllm_config.cache_config.num_gpu_blocks = n
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConnectorTimer:
+    """Wraps the scheduler-role connector's methods with ``perf_counter_ns`` accumulators."""
+
+    total_ns: int = 0
+    per_method_ns: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    hit_tokens: int = 0
+    _depth: int = 0
+
+    def install(self, conn: Any) -> None:
+        for name in SCHEDULER_METHODS:
+            fn = getattr(conn, name, None)
+            if callable(fn):
+                setattr(conn, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        clock = time.perf_counter_ns
+        alloc = name == "update_state_after_alloc"
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth = 1
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = clock() - t
+                self._depth = 0
+                self.total_ns += dt
+                self.per_method_ns[name] += dt
+                self.calls[name] += 1
+                if alloc:
+                    n_ext = args[2] if len(args) > 2 else kwargs["num_external_tokens"]
+                    self.hit_tokens += n_ext
+
+        return timed
+
+
+# ---- emulated workers ----------------------------------------------------------------------
+
+
+def worker_report(connector: str, meta: Any) -> tuple[set[str] | None, Any, int, int]:
+    """What the connector's workers report one step after ``meta`` was issued:
+    ``(finished_recving, worker metadata, stored blocks, loaded blocks)``."""
+    if meta is None:
+        return None, None, 0, 0
+    if connector == "simple":
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        recving = None
+        if meta.load_event >= 0:
+            recving = set(meta.load_event_to_reqs.get(meta.load_event, ()))
+        wm = None
+        if meta.store_event >= 0:
+            wm = SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
+        return recving, wm, len(meta.store_gpu_blocks), len(meta.load_gpu_blocks)
+    from kvoffload.metadata import KVOffloadWorkerMetadata
+
+    ids = [load[0] for load in meta.loads]
+    ok = [bool(load[4]) for load in meta.loads]
+    loaded = sum(len(load[2]) // 4 for load in meta.loads)
+    stored = 0
+    if meta.store is not None:
+        ids.append(meta.store[0])
+        ok.append(True)
+        stored = len(meta.store[1]) // 4
+    wm = KVOffloadWorkerMetadata(transfer_ids=ids, ok=ok) if ids else None
+    return None, wm, stored, loaded
+
+
+# ---- the replay ----------------------------------------------------------------------------------
+
+
+def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    sched = build_scheduler(trace, model, connector, lazy)
+    conn = sched.get_kv_connector()
+    timer = ConnectorTimer()
+    timer.install(conn)
+    hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    params = SamplingParams(max_tokens=trace.output_tokens, ignore_eos=True)
+    systems = system_prompts(trace)
+    todo = arrivals(trace)
+    clock = time.perf_counter_ns
+
+    step_conn: list[int] = []
+    step_sched: list[int] = []
+    stored = loaded = 0
+    prev_meta = None
+    step = 0  # simulated time; advances by one per engine step or idle tick
+    nxt = 0
+    finished = 0
+    wall = time.perf_counter()
+    gc.collect()
+    while True:
+        while nxt < len(todo) and todo[nxt][0] <= step:
+            _, s, tail = todo[nxt]
+            sched.add_request(
+                Request(
+                    request_id=f"req-{nxt}",
+                    prompt_token_ids=systems[s] + tail,
+                    sampling_params=params,
+                    pooling_params=None,
+                    block_hasher=hasher,
+                )
+            )
+            nxt += 1
+        c0 = timer.total_ns
+        t0 = clock()
+        busy = sched.has_requests()
+        t1 = clock()
+        if not busy:
+            if nxt >= len(todo):
+                break
+            step = todo[nxt][0]  # idle until the next arrival
+            continue
+        so = sched.schedule()
+        t2 = clock()
+        meta = so.kv_connector_metadata
+        recving, wm, st, ld = worker_report(connector, prev_meta)
+        stored += st
+        loaded += ld
+        kv_out = KVConnectorOutput(finished_recving=recving, kv_connector_worker_meta=wm)
+        req_ids = list(so.num_scheduled_tokens)
+        if req_ids:
+            reqs = sched.requests
+            out = ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[
+                    [SAMPLED_TOKEN] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else []
+                    for r in req_ids
+                ],
+                kv_connector_output=kv_out,
+            )
+        else:  # no forward: vLLM's worker returns an empty output unless it has a report
+            out = ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+        t3 = clock()
+        eco = sched.update_from_output(so, out)
+        t4 = clock()
+        for outs in eco.values():
+            finished += sum(1 for o in outs.outputs if o.finish_reason is not None)
+        prev_meta = meta
+        step_sched.append((t1 - t0) + (t2 - t1) + (t4 - t3))
+        step_conn.append(timer.total_ns - c0)
+        step += 1
+        if progress and len(step_sched) % 2000 == 0:
+            print(
+                f"  [{connector}/{'lazy' if lazy else 'eager'}] step {len(step_sched)}, "
+                f"{nxt}/{len(todo)} arrived, {finished} finished, "
+                f"{time.perf_counter() - wall:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    wall = time.perf_counter() - wall
+    assert finished == trace.requests, (finished, trace.requests)
+    conn_total = sum(step_conn)
+    sched_total = sum(step_sched)
+    moved = stored + loaded
+    return {
+        "connector": connector,
+        "mode": "lazy" if lazy else "eager",
+        "steps": len(step_conn),
+        "wall_s": wall,
+        "connector_step": summary_ns(step_conn),
+        "scheduler_step": summary_ns(step_sched),
+        "share": conn_total / sched_total if sched_total else 0.0,
+        "stored_blocks": stored,
+        "loaded_blocks": loaded,
+        "us_per_block_moved": conn_total / 1e3 / moved if moved else None,
+        "cpu_hit_tokens": timer.hit_tokens,
+        "methods": {
+            k: {"calls": timer.calls[k], "total_ms": v / 1e6}
+            for k, v in sorted(timer.per_method_ns.items(), key=lambda kv: -kv[1])
+        },
+    }
+
+
+def print_result(r: dict[str, Any]) -> None:
+    c, s = r["connector_step"], r["scheduler_step"]
+    per_block = r["us_per_block_moved"]
+    print(
+        f"{r['connector']:>9} {r['mode']:>5}: connector {c['mean_us']:7.1f} µs/step "
+        f"(p50 {c['p50_us']:.1f}, p99 {c['p99_us']:.1f}), scheduler {s['mean_us']:7.1f} "
+        f"µs/step, share {100 * r['share']:4.1f}%, {r['steps']} steps, "
+        f"stored {r['stored_blocks']} / loaded {r['loaded_blocks']} blocks "
+        f"({per_block if per_block is None else f'{per_block:.2f}'} µs per block moved), "
+        f"CPU-hit tokens {r['cpu_hit_tokens']:,}, {r['wall_s']:.0f} s"
+    )
+    top = list(r["methods"].items())[:5]
+    print(
+        "           top: " + ", ".join(f"{k} {v['total_ms']:.0f} ms/{v['calls']}" for k, v in top)
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=Trace.requests)
+    ap.add_argument("--modes", default="eager,lazy", help="comma list of eager,lazy")
+    ap.add_argument("--connectors", default="simple,kvoffload")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", help="model directory (only config.json is read)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--smoke", action="store_true", help="a tiny trace (CI smoke test)")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = ap.parse_args()
+
+    trace = SMOKE if args.smoke else Trace(requests=args.requests, seed=args.seed)
+    model = model_dir(args.model)
+    import vllm  # noqa: F401  (version in the machine line)
+
+    m = machine()
+    print(f"machine: {describe(m)}")
+    print(f"trace: {trace}\n")
+    results = []
+    for mode in args.modes.split(","):
+        for c in args.connectors.split(","):
+            r = replay(trace, model, c, mode == "lazy", progress=not args.quiet)
+            print_result(r)
+            results.append(r)
+    print()
+    summary = {}
+    for mode in args.modes.split(","):
+        by = {r["connector"]: r for r in results if r["mode"] == mode}
+        if "simple" not in by or "kvoffload" not in by:
+            continue
+        s, k = by["simple"], by["kvoffload"]
+        rr = ratio(s["connector_step"]["mean_us"], k["connector_step"]["mean_us"])
+        summary[mode] = {
+            "ratio": rr,
+            "simple_us": s["connector_step"]["mean_us"],
+            "kvoffload_us": k["connector_step"]["mean_us"],
+            "simple_hit_tokens": s["cpu_hit_tokens"],
+            "kvoffload_hit_tokens": k["cpu_hit_tokens"],
+        }
+        print(
+            f"{mode}: Simple {s['connector_step']['mean_us']:.1f} µs/step vs kvoffload "
+            f"{k['connector_step']['mean_us']:.1f} µs/step -> {rr:.1f}x less time "
+            f"(goal >= 10x); CPU-hit tokens {s['cpu_hit_tokens']:,} vs "
+            f"{k['cpu_hit_tokens']:,}"
+        )
+    write_json(
+        args.json,
+        {
+            "benchmark": "compare_scheduler",
+            "machine": m,
+            "trace": trace.__dict__,
+            "results": results,
+            "summary": summary,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

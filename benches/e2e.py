@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""End to end: the demo workload on a real vLLM engine, without and with kvoffload.
+
+The workload is ``scripts/demo.py``'s: users with long system prompts taking turns, so a
+user's prompt has left vLLM's small GPU KV cache by the time the user comes back. Each
+configuration gets a fresh engine (one at a time): vLLM alone, kvoffload eager, kvoffload
+lazy (and, with ``--with-simple`` on a CUDA machine, vLLM's SimpleCPUOffloadConnector).
+Printed per configuration: mean time to first token (vLLM's own histogram), output and
+total token throughput, wall time, and where the prompt tokens came from.
+
+    .venv/bin/python benches/e2e.py                   # tiny local Llama, vLLM's CPU backend
+    .venv/bin/python benches/e2e.py /path/to/model --kv-cache-mib 2048 --cpu-mib 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, describe, machine, ratio, write_json
+
+sys.path.insert(0, str(REPO / "scripts"))
+from demo import metrics, workload
+
+CONFIGS = {
+    "off": None,
+    "eager": ("KVOffloadConnector", False),
+    "lazy": ("KVOffloadConnector", True),
+    "simple-eager": ("SimpleCPUOffloadConnector", False),
+    "simple-lazy": ("SimpleCPUOffloadConnector", True),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("model", nargs="?", help="HF model dir or name (default: a tiny local Llama)")
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system-tokens", type=int, default=900)
+    p.add_argument("--question-tokens", type=int, default=60)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4, help="vLLM max_num_seqs")
+    p.add_argument("--kv-cache-mib", type=float, default=4.0, help="vLLM's own KV cache")
+    p.add_argument("--cpu-mib", type=float, default=256.0, help="the CPU pool")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--configs", default="off,eager,lazy", help=f"comma list of {list(CONFIGS)}")
+    p.add_argument(
+        "--with-simple",
+        action="store_true",
+        help="also run SimpleCPUOffloadConnector eager and lazy (needs CUDA)",
+    )
+    p.add_argument("--load-mode", help="kvoffload load_mode (default: the connector's auto)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per configuration (median)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--smoke", action="store_true", help="a tiny workload (CI smoke test)")
+    args = p.parse_args()
+    if args.with_simple:
+        args.configs += ",simple-eager,simple-lazy"
+    if args.smoke:
+        args.users, args.turns, args.system_tokens, args.output_tokens = 2, 2, 300, 4
+    return args
+
+
+def run(model: str, tiny: bool, prompts: list[list[int]], args: argparse.Namespace, cfg: str):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw: dict[str, Any] = {
+        "model": model,
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.concurrency,
+        "kv_cache_memory_bytes": int(args.kv_cache_mib * 2**20),
+        "disable_log_stats": False,
+        "seed": 0,
+    }
+    if tiny:
+        kw["dtype"] = "float32"
+        kw["distributed_executor_backend"] = "uni"
+    conn = CONFIGS[cfg]
+    if conn is not None:
+        name, lazy = conn
+        extra: dict[str, Any] = {
+            "cpu_bytes_to_use": int(args.cpu_mib * 2**20),
+            "lazy_offload": lazy,
+        }
+        if args.load_mode and name == "KVOffloadConnector":
+            extra["load_mode"] = args.load_mode
+        kw["kv_transfer_config"] = {
+            "kv_connector": name,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+    llm = LLM(**kw)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+        before = metrics(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        wall = time.perf_counter() - t0
+        after = metrics(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
+
+    def d(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    prompt_tokens = sum(len(p) for p in prompts)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    gpu_hits, cpu_hits = d("vllm:prefix_cache_hits"), d("vllm:external_prefix_cache_hits")
+    n_ttft = d("vllm:time_to_first_token_seconds:count")
+    return {
+        "config": cfg,
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "gpu_hit_tokens": int(gpu_hits),
+        "cpu_hit_tokens": int(cpu_hits),
+        "recomputed_tokens": int(prompt_tokens - gpu_hits - cpu_hits),
+        "ttft_ms": 1e3 * d("vllm:time_to_first_token_seconds:sum") / n_ttft if n_ttft else None,
+        "wall_s": wall,
+        "output_tok_s": output_tokens / wall,
+        "total_tok_s": (prompt_tokens + output_tokens) / wall,
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    tiny = args.model is None
+    if tiny:
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny_model import build_tiny_llama
+
+        model, vocab = str(build_tiny_llama(Path.home() / ".cache/kvoffload/tiny_llama")), 1024
+    else:
+        from transformers import AutoConfig
+
+        model, vocab = args.model, int(AutoConfig.from_pretrained(args.model).vocab_size)
+    import torch  # noqa: F401
+    import vllm  # noqa: F401  (versions in the machine line)
+
+    prompts = workload(args, vocab)
+    m = machine()
+    print(f"machine: {describe(m)}")
+    print(
+        f"workload: {args.users} users x {args.turns} turns, {args.system_tokens}-token system "
+        f"prompts + {args.question_tokens}-token questions, {args.output_tokens} output tokens, "
+        f"max_num_seqs {args.concurrency}, vLLM KV cache {args.kv_cache_mib:g} MiB, CPU pool "
+        f"{args.cpu_mib:g} MiB\n",
+        flush=True,
+    )
+    results = []
+    for cfg in args.configs.split(","):
+        runs = [run(model, tiny, prompts, args, cfg) for _ in range(args.repeat)]
+        runs.sort(key=lambda r: r["wall_s"])
+        r = runs[len(runs) // 2]
+        if len(runs) > 1:
+            r["ttft_ms_runs"] = [x["ttft_ms"] for x in runs]
+            r["wall_s_runs"] = [x["wall_s"] for x in runs]
+            r["ttft_ms"] = statistics.median(x["ttft_ms"] or 0.0 for x in runs)
+        results.append(r)
+        print(
+            f"{cfg:>13}: TTFT {r['ttft_ms'] or 0:7.1f} ms, {r['output_tok_s']:7.1f} output tok/s, "
+            f"{r['total_tok_s']:8.0f} total tok/s, wall {r['wall_s']:.2f} s; prompt tokens "
+            f"{r['prompt_tokens']:,}: GPU hits {r['gpu_hit_tokens']:,}, CPU hits "
+            f"{r['cpu_hit_tokens']:,}, recomputed {r['recomputed_tokens']:,}",
+            flush=True,
+        )
+    base = next((r for r in results if r["config"] == "off"), None)
+    ok = True
+    if base is not None:
+        print()
+        for r in results:
+            if r is base:
+                continue
+            same = r["tokens"] == base["tokens"]
+            ok &= same
+            ttft = ratio(base["ttft_ms"] or 0.0, r["ttft_ms"] or 0.0)
+            print(
+                f"{r['config']:>13} vs vLLM alone: TTFT {ttft:.2f}x "
+                f"lower, throughput {ratio(r['total_tok_s'], base['total_tok_s']):.2f}x, "
+                f"outputs token-identical: {'yes' if same else 'NO'}"
+            )
+    for r in results:
+        del r["tokens"]
+    write_json(
+        args.json,
+        {
+            "benchmark": "e2e",
+            "machine": m,
+            "model": model,
+            "params": {k: v for k, v in vars(args).items() if k != "json"},
+            "results": results,
+        },
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+//! Fault injection: a [`CopyBackend`] wrapper that fails chosen copies and delays
+//! completions, so the no-hang and no-wrong-KV guarantees can be tested end to end.
+//!
+//! Off unless a [`FaultPlan`] is given (config key `kvoffload.faults` or the environment
+//! variable `KVOFFLOAD_FAULTS`), e.g. `fail_loads_every=3,delay_ms=5`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use super::{BackendError, CopyBackend, CopyRun, Direction, Ticket};
+
+/// Which copies fail and how long completions are held back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FaultPlan {
+    /// Fail every n-th load job (0: never).
+    pub fail_loads_every: u32,
+    /// Fail every n-th store job (0: never).
+    pub fail_stores_every: u32,
+    /// The n-th job fails with a fatal (sticky) device error (0: never).
+    pub fatal_after: u32,
+    /// Every job completes no sooner than this after its submission.
+    pub delay: Duration,
+}
+
+/// A fault spec that does not parse; the message names the bad item.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid fault spec item `{item}`: {reason}")]
+pub struct FaultSpecError {
+    /// The offending `key=value` item.
+    pub item: String,
+    /// Why it is rejected.
+    pub reason: &'static str,
+}
+
+impl FaultPlan {
+    /// Parses `key=value` items separated by commas: `fail_loads_every`,
+    /// `fail_stores_every`, `fatal_after` (counts) and `delay_ms`.
+    ///
+    /// # Examples
+    /// ```
+    /// use offload_core::transfer::FaultPlan;
+    ///
+    /// let plan = FaultPlan::parse("fail_loads_every=2, delay_ms=5").unwrap();
+    /// assert_eq!(plan.fail_loads_every, 2);
+    /// assert_eq!(plan.delay.as_millis(), 5);
+    /// assert!(FaultPlan::parse("fail_everything=1").is_err());
+    /// ```
+    pub fn parse(spec: &str) -> Result<Self, FaultSpecError> {
+        let mut plan = Self::default();
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let err = |reason| FaultSpecError {
+                item: item.to_string(),
+                reason,
+            };
+            let (key, value) = item
+                .split_once('=')
+                .ok_or_else(|| err("expected key=value"))?;
+            let n: u32 = value
+                .trim()
+                .parse()
+                .map_err(|_| err("value must be a non-negative integer"))?;
+            match key.trim() {
+                "fail_loads_every" => plan.fail_loads_every = n,
+                "fail_stores_every" => plan.fail_stores_every = n,
+                "fatal_after" => plan.fatal_after = n,
+                "delay_ms" => plan.delay = Duration::from_millis(u64::from(n)),
+                _ => return Err(err("unknown key")),
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Whether the plan injects anything.
+    pub fn is_active(&self) -> bool {
+        *self != Self::default()
+    }
+}
+
+impl fmt::Display for FaultPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "fail_loads_every={},fail_stores_every={},fatal_after={},delay_ms={}",
+            self.fail_loads_every,
+            self.fail_stores_every,
+            self.fatal_after,
+            self.delay.as_millis()
+        )
+    }
+}
+
+/// Wraps a backend and injects the faults of a [`FaultPlan`].
+#[derive(Debug)]
+pub struct FaultInjector<B> {
+    inner: B,
+    plan: FaultPlan,
+    loads: u32,
+    stores: u32,
+    jobs: u32,
+    submitted_at: HashMap<u64, Instant>,
+}
+
+impl<B: CopyBackend> FaultInjector<B> {
+    /// Injects `plan`'s faults into `inner`.
+    pub fn new(inner: B, plan: FaultPlan) -> Self {
+        Self {
+            inner,
+            plan,
+            loads: 0,
+            stores: 0,
+            jobs: 0,
+            submitted_at: HashMap::new(),
+        }
+    }
+}
+
+fn hits(count: u32, every: u32) -> bool {
+    every != 0 && count % every == 0
+}
+
+impl<B: CopyBackend> CopyBackend for FaultInjector<B> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn attach(&mut self, host_base: u64, host_len: usize) -> Result<(), BackendError> {
+        self.inner.attach(host_base, host_len)
+    }
+
+    fn wait_event(&mut self, event: u64) -> Result<(), BackendError> {
+        self.inner.wait_event(event)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} with injected faults ({})",
+            self.inner.describe(),
+            self.plan
+        )
+    }
+
+    unsafe fn submit(
+        &mut self,
+        direction: Direction,
+        runs: &[CopyRun],
+    ) -> Result<Ticket, BackendError> {
+        self.jobs += 1;
+        if self.plan.fatal_after != 0 && self.jobs >= self.plan.fatal_after {
+            return Err(BackendError::fatal(format!(
+                "injected fatal device fault at job #{}",
+                self.jobs
+            )));
+        }
+        let (count, every) = match direction {
+            Direction::Load => {
+                self.loads += 1;
+                (self.loads, self.plan.fail_loads_every)
+            }
+            Direction::Store => {
+                self.stores += 1;
+                (self.stores, self.plan.fail_stores_every)
+            }
+        };
+        if hits(count, every) {
+            return Err(BackendError::job(format!(
+                "injected fault: {direction} #{count}"
+            )));
+        }
+        // SAFETY: the caller's contract is forwarded unchanged.
+        let ticket = unsafe { self.inner.submit(direction, runs) }?;
+        if !self.plan.delay.is_zero() {
+            self.submitted_at.insert(ticket.0, Instant::now());
+        }
+        Ok(ticket)
+    }
+
+    fn query(&mut self, ticket: Ticket) -> Result<bool, BackendError> {
+        if let Some(at) = self.submitted_at.get(&ticket.0) {
+            if at.elapsed() < self.plan.delay {
+                return Ok(false);
+            }
+            self.submitted_at.remove(&ticket.0);
+        }
+        self.inner.query(ticket)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::transfer::HostCopyBackend;
+
+    #[test]
+    fn parse_round_trips_and_rejects_bad_items() {
+        let plan =
+            FaultPlan::parse("fail_loads_every=3,fail_stores_every=4,fatal_after=9,delay_ms=7")
+                .unwrap();
+        assert_eq!(FaultPlan::parse(&plan.to_string()).unwrap(), plan);
+        assert!(plan.is_active());
+        assert!(!FaultPlan::parse("").unwrap().is_active());
+        for bad in ["delay_ms", "delay_ms=-1", "nope=1", "fail_loads_every=x"] {
+            let e = FaultPlan::parse(bad).unwrap_err();
+            assert!(e.to_string().contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn every_nth_job_of_a_direction_fails() {
+        let plan = FaultPlan {
+            fail_loads_every: 2,
+            ..FaultPlan::default()
+        };
+        let mut b = FaultInjector::new(HostCopyBackend::new(), plan);
+        // SAFETY: no runs, nothing is copied.
+        let outcomes: Vec<bool> = (0..4)
+            .map(|_| unsafe { b.submit(Direction::Load, &[]) }.is_ok())
+            .collect();
+        assert_eq!(outcomes, vec![true, false, true, false]);
+        // SAFETY: as above.
+        assert!(unsafe { b.submit(Direction::Store, &[]) }.is_ok());
+    }
+
+    #[test]
+    fn fatal_fault_is_fatal_and_delays_hold_completions() {
+        let plan = FaultPlan {
+            fatal_after: 2,
+            delay: Duration::from_millis(30),
+            ..FaultPlan::default()
+        };
+        let mut b = FaultInjector::new(HostCopyBackend::new(), plan);
+        // SAFETY: no runs, nothing is copied.
+        let t = unsafe { b.submit(Direction::Store, &[]) }.unwrap();
+        assert!(!b.query(t).unwrap());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(b.query(t).unwrap());
+        // SAFETY: as above.
+        let e = unsafe { b.submit(Direction::Store, &[]) }.unwrap_err();
+        assert!(e.is_fatal());
+    }
+}

@@ -1,0 +1,537 @@
+//! Long randomized stress test of the planner driving the real transfer engine (host
+//! backend with injected failures and delayed completions), playing vLLM's part: request
+//! arrivals, partial hit acceptance, computation, preemption, finishes with delayed frees,
+//! resets. After every step it checks that no GPU or CPU block is double-owned, that pins
+//! balance and the pool stays within budget, and that every load wrote exactly the bytes
+//! that were stored for its hashes.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+use offload_core::transfer::{
+    Completion, Direction, FaultInjector, FaultPlan, HostCopyBackend, RegionSpec, TransferConfig,
+    TransferEngine, TransferJob,
+};
+use offload_core::{BlockHash, Planner, PlannerConfig};
+
+const BS: usize = 16;
+const GPU_BLOCKS: u32 = 96;
+const CPU_BLOCKS: u32 = 40;
+const BLOCK_BYTES: usize = 64;
+const REGIONS: usize = 2;
+
+/// xorshift64*: deterministic, dependency-free randomness per seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// What a block holding `hash` contains in `region`: derived from the hash alone.
+fn pattern(hash: BlockHash, region: usize) -> [u8; BLOCK_BYTES] {
+    let mut out = [0u8; BLOCK_BYTES];
+    let bytes = hash.0.to_le_bytes();
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = bytes[i % 16] ^ (i as u8).wrapping_mul(31) ^ (region as u8 * 0x55);
+    }
+    out
+}
+
+/// Simulated GPU memory, accessed only through raw pointers so the copy thread's reads
+/// and writes of other blocks never alias a Rust reference.
+struct GpuMemory {
+    /// Owns the memory behind `ptrs`.
+    _bufs: Vec<Vec<u8>>,
+    ptrs: Vec<*mut u8>,
+}
+
+impl GpuMemory {
+    fn new() -> Self {
+        let mut bufs: Vec<Vec<u8>> = (0..REGIONS)
+            .map(|_| vec![0u8; GPU_BLOCKS as usize * BLOCK_BYTES])
+            .collect();
+        let ptrs = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        Self { _bufs: bufs, ptrs }
+    }
+
+    fn regions(&self) -> Vec<RegionSpec> {
+        self.ptrs
+            .iter()
+            .map(|p| {
+                // SAFETY: the buffers live in `self`, which the test keeps alive (and
+                // unmoved, the heap allocations never move) until the engine is dropped;
+                // blocks in flight are never touched by the test (see `write`).
+                unsafe { RegionSpec::new(*p as u64, GPU_BLOCKS, BLOCK_BYTES, BLOCK_BYTES) }.unwrap()
+            })
+            .collect()
+    }
+
+    /// The forward pass computing block `gpu` as `hash`.
+    fn write(&self, gpu: u32, hash: BlockHash) {
+        for (r, p) in self.ptrs.iter().enumerate() {
+            let src = pattern(hash, r);
+            // SAFETY: in bounds; no transfer in flight reads or writes this block (the
+            // harness fences stores of preempted requests and frees blocks only after
+            // their stores completed).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    p.add(gpu as usize * BLOCK_BYTES),
+                    BLOCK_BYTES,
+                )
+            };
+        }
+    }
+
+    fn holds(&self, gpu: u32, hash: BlockHash) -> bool {
+        (0..REGIONS).all(|r| {
+            let mut got = [0u8; BLOCK_BYTES];
+            // SAFETY: in bounds; the load that wrote this block has completed.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.ptrs[r].add(gpu as usize * BLOCK_BYTES),
+                    got.as_mut_ptr(),
+                    BLOCK_BYTES,
+                )
+            };
+            got == pattern(hash, r)
+        })
+    }
+}
+
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+enum State {
+    Waiting,
+    Loading,
+    Running,
+    /// Finished; GPU blocks kept until `finished_sending`.
+    Draining,
+    /// Aborted during its load; GPU blocks kept until `finished_recving`.
+    AbortedLoading,
+}
+
+#[derive(Debug)]
+struct Req {
+    hashes: Vec<BlockHash>,
+    gpu: Vec<u32>,
+    computed_blocks: usize,
+    state: State,
+    /// Scheduled in an earlier step (the planner then sees it as a cached request).
+    scheduled_before: bool,
+    /// Async load in flight: (transfer id, first block position, blocks).
+    load: Option<(u64, usize, usize)>,
+}
+
+struct Harness {
+    rng: Rng,
+    planner: Planner,
+    engine: TransferEngine,
+    gpu_mem: GpuMemory,
+    gpu_free: BTreeSet<u32>,
+    reqs: BTreeMap<String, Req>,
+    next_req: u64,
+    /// Store jobs in flight and the requests they read.
+    stores: HashMap<u64, Vec<String>>,
+    loads_verified: u64,
+    failed_loads: u64,
+}
+
+impl Harness {
+    fn new(seed: u64, plan: FaultPlan) -> Self {
+        let gpu_mem = GpuMemory::new();
+        let engine = TransferEngine::with_backend(
+            gpu_mem.regions(),
+            CPU_BLOCKS,
+            TransferConfig::default(),
+            FaultInjector::new(HostCopyBackend::new(), plan),
+        )
+        .unwrap();
+        Self {
+            rng: Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
+            planner: Planner::new(PlannerConfig {
+                block_size: BS as u32,
+                num_cpu_blocks: CPU_BLOCKS,
+                ..PlannerConfig::default()
+            }),
+            engine,
+            gpu_mem,
+            gpu_free: (0..GPU_BLOCKS).collect(),
+            reqs: BTreeMap::new(),
+            next_req: 0,
+            stores: HashMap::new(),
+            loads_verified: 0,
+            failed_loads: 0,
+        }
+    }
+
+    fn arrive(&mut self) {
+        let family = self.rng.below(4) as u128;
+        let shared = 1 + self.rng.below(5) as u128;
+        let mut hashes: Vec<BlockHash> = (0..shared)
+            .map(|i| BlockHash((family + 1) * 1000 + i))
+            .collect();
+        for i in 0..self.rng.below(3) {
+            hashes.push(BlockHash(
+                1_000_000 + u128::from(self.next_req) * 10 + u128::from(i),
+            ));
+        }
+        let id = format!("r{}", self.next_req);
+        self.next_req += 1;
+        self.planner.extend_hashes(&id, hashes.iter().copied());
+        self.reqs.insert(
+            id,
+            Req {
+                hashes,
+                gpu: Vec::new(),
+                computed_blocks: 0,
+                state: State::Waiting,
+                scheduled_before: false,
+                load: None,
+            },
+        );
+    }
+
+    /// vLLM's scheduler: admit a waiting request (lookup, allocate, accept some of the hit).
+    fn admit(&mut self, id: &str) {
+        let n = self.reqs[id].hashes.len();
+        let hit = self.planner.lookup(id, n * BS + 1, 0).unwrap();
+        assert_eq!(hit % BS, 0);
+        assert!(hit < n * BS + 1);
+        if self.gpu_free.len() < n + 1 {
+            return; // stays waiting; the lookup will be repeated
+        }
+        let gpu: Vec<u32> = (0..=n)
+            .map(|_| self.gpu_free.pop_first().unwrap())
+            .collect();
+        let accept = (hit / BS) * self.rng.below(5) as usize / 4;
+        self.planner.on_alloc(id, &gpu, 0, accept * BS).unwrap();
+        let r = self.reqs.get_mut(id).unwrap();
+        r.gpu = gpu;
+        r.scheduled_before = false;
+        if accept > 0 {
+            r.state = State::Loading;
+            r.load = Some((0, 0, accept));
+        } else {
+            r.state = State::Running;
+            r.computed_blocks = 0;
+        }
+    }
+
+    fn preempt(&mut self, id: &str) {
+        assert_eq!(self.reqs[id].state, State::Running);
+        // vLLM tells the workers (metadata), not the planner: fence this request's stores
+        // before its blocks are reused.
+        let fence: Vec<u64> = self
+            .stores
+            .iter()
+            .filter(|(_, reqs)| reqs.iter().any(|r| r == id))
+            .map(|(t, _)| *t)
+            .collect();
+        let done = self
+            .engine
+            .wait_for(&fence, Duration::from_secs(30))
+            .unwrap();
+        self.apply(done);
+        let r = self.reqs.get_mut(id).unwrap();
+        let gpu = std::mem::take(&mut r.gpu);
+        r.state = State::Waiting;
+        r.computed_blocks = 0;
+        self.gpu_free.extend(gpu);
+    }
+
+    fn finish(&mut self, id: &str) {
+        let r = &self.reqs[id];
+        let delay = self
+            .planner
+            .request_finished(id, r.computed_blocks * BS)
+            .unwrap();
+        if delay {
+            self.reqs.get_mut(id).unwrap().state = State::Draining;
+        } else {
+            let r = self.reqs.remove(id).unwrap();
+            self.gpu_free.extend(r.gpu);
+        }
+    }
+
+    /// One engine step in vLLM's order: schedule (preempt, admit), build the step's
+    /// transfers, workers submit them, the forward pass computes, finished requests are
+    /// handed to the planner, completions are applied.
+    fn step(&mut self) {
+        if self.rng.chance(40) {
+            self.arrive();
+        }
+        for id in self.ids_in(State::Loading) {
+            if self.rng.chance(3) {
+                // Aborted while loading: vLLM frees its blocks on `finished_recving`.
+                let delay = self.planner.request_finished(&id, 0).unwrap();
+                assert!(!delay);
+                self.reqs.get_mut(&id).unwrap().state = State::AbortedLoading;
+            }
+        }
+        let running = self.ids_in(State::Running);
+        if let Some(id) = running.first() {
+            if self.rng.chance(10) {
+                self.preempt(id);
+            }
+        }
+        for id in self.ids_in(State::Waiting) {
+            if self.rng.chance(5) {
+                self.finish(&id); // aborted while waiting: its pinned lookup is released
+            } else if self.rng.chance(60) {
+                self.admit(&id);
+            }
+        }
+        let mut forward = Vec::new();
+        for id in self.ids_in(State::Running) {
+            let r = self.reqs.get_mut(&id).unwrap();
+            let replace = !r.scheduled_before;
+            let gpu = if replace { r.gpu.clone() } else { Vec::new() };
+            let before = r.computed_blocks;
+            self.planner
+                .note_scheduled(&id, before * BS, &gpu, replace)
+                .unwrap();
+            r.scheduled_before = true;
+            let end = (before + 1 + self.rng.below(3) as usize).min(r.hashes.len());
+            forward.push((id, before, end));
+        }
+        if self.rng.chance(2) {
+            self.planner.reset();
+        }
+        self.submit();
+        for (id, before, end) in forward {
+            let r = self.reqs.get_mut(&id).unwrap();
+            for b in before..end {
+                self.gpu_mem.write(r.gpu[b], r.hashes[b]);
+            }
+            r.computed_blocks = end;
+        }
+        for id in self.ids_in(State::Running).into_iter().rev() {
+            let r = &self.reqs[&id];
+            if r.computed_blocks == r.hashes.len() || self.rng.chance(5) {
+                self.finish(&id);
+            }
+        }
+        let mut done = Vec::new();
+        self.engine.poll_completions(&mut done);
+        self.apply(done);
+        self.check();
+    }
+
+    fn ids_in(&self, state: State) -> Vec<String> {
+        self.reqs
+            .iter()
+            .filter(|(_, r)| r.state == state)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    fn submit(&mut self) {
+        let plan = self.planner.take_step();
+        for load in plan.loads {
+            let r = self.reqs.get_mut(&load.req_id).unwrap();
+            assert_eq!(r.state, State::Loading);
+            r.load = Some((load.id, 0, load.cpu_blocks.len()));
+            if !load.valid {
+                // Workers report an impossible load failed at once.
+                self.planner.complete(load.id, false).unwrap();
+                self.after_completion();
+                continue;
+            }
+            self.engine
+                .submit(TransferJob {
+                    id: load.id,
+                    direction: Direction::Load,
+                    pairs: load.gpu_blocks.into_iter().zip(load.cpu_blocks).collect(),
+                    wait_event: None,
+                })
+                .unwrap();
+        }
+        if let Some(store) = plan.store {
+            let mut targets = BTreeSet::new();
+            for c in &store.cpu_blocks {
+                assert!(*c < CPU_BLOCKS, "CPU block {c} beyond the pool");
+                assert!(targets.insert(*c), "CPU block {c} stored twice in one job");
+            }
+            self.stores.insert(store.id, store.req_ids.clone());
+            self.engine
+                .submit(TransferJob {
+                    id: store.id,
+                    direction: Direction::Store,
+                    pairs: store.gpu_blocks.into_iter().zip(store.cpu_blocks).collect(),
+                    wait_event: None,
+                })
+                .unwrap();
+        }
+    }
+
+    fn apply(&mut self, done: Vec<Completion>) {
+        for c in done {
+            let ok = c.result.is_ok();
+            if c.direction == Direction::Load {
+                let owner = self
+                    .reqs
+                    .iter()
+                    .find(|(_, r)| r.load.is_some_and(|(t, _, _)| t == c.id))
+                    .map(|(id, _)| id.clone());
+                if let Some(id) = owner {
+                    let r = &self.reqs[&id];
+                    let (_, start, n) = r.load.unwrap();
+                    if ok {
+                        for i in start..start + n {
+                            assert!(
+                                self.gpu_mem.holds(r.gpu[i], r.hashes[i]),
+                                "load {} wrote wrong bytes into block {i} of {id}",
+                                c.id
+                            );
+                        }
+                        self.loads_verified += n as u64;
+                    } else {
+                        self.failed_loads += 1;
+                    }
+                }
+            } else {
+                self.stores.remove(&c.id);
+            }
+            self.planner.complete(c.id, ok).unwrap();
+            self.after_completion();
+        }
+    }
+
+    fn after_completion(&mut self) {
+        let c = self.planner.take_completions();
+        for id in c.finished_recving {
+            if self
+                .reqs
+                .get(&id)
+                .is_some_and(|r| r.state == State::AbortedLoading)
+            {
+                let r = self.reqs.remove(&id).unwrap();
+                self.gpu_free.extend(r.gpu);
+                continue;
+            }
+            if let Some(r) = self.reqs.get_mut(&id) {
+                // Loaded blocks count as computed; failed ones are recomputed.
+                let loaded = r.load.take().map_or(0, |(_, _, n)| n);
+                r.computed_blocks = if c.load_error_blocks.iter().any(|g| r.gpu.contains(g)) {
+                    0
+                } else {
+                    loaded
+                };
+                r.scheduled_before = false;
+                r.state = State::Running;
+            }
+        }
+        for id in c.finished_sending {
+            let r = self
+                .reqs
+                .remove(&id)
+                .expect("finished_sending names a known request");
+            assert_eq!(r.state, State::Draining, "{id} freed while not finished");
+            self.gpu_free.extend(r.gpu);
+        }
+    }
+
+    fn check(&self) {
+        self.planner.cache().check_invariants().unwrap();
+        // Every GPU block has exactly one owner: the free list or one request.
+        let mut owned = BTreeSet::new();
+        for r in self.reqs.values() {
+            for g in &r.gpu {
+                assert!(owned.insert(*g), "GPU block {g} owned twice");
+                assert!(
+                    !self.gpu_free.contains(g),
+                    "GPU block {g} both free and owned"
+                );
+            }
+        }
+        assert_eq!(owned.len() + self.gpu_free.len(), GPU_BLOCKS as usize);
+        assert!(self.planner.cache().pool().num_free() <= CPU_BLOCKS as usize);
+    }
+
+    /// Finishes everything and completes every transfer; then no pin may remain.
+    fn drain(&mut self) {
+        for _ in 0..10_000 {
+            let ids: Vec<String> = self.reqs.keys().cloned().collect();
+            for id in ids {
+                if let Some(State::Running | State::Waiting) = self.reqs.get(&id).map(|r| r.state) {
+                    self.finish(&id);
+                }
+            }
+            self.submit();
+            let mut done = Vec::new();
+            self.engine.poll_completions(&mut done);
+            self.apply(done);
+            if self.reqs.is_empty() && !self.planner.has_work_in_flight() {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert!(
+            self.reqs.is_empty(),
+            "requests left: {:?}",
+            self.reqs.keys()
+        );
+        assert_eq!(self.planner.num_requests(), 0);
+        for b in 0..CPU_BLOCKS {
+            assert_eq!(
+                self.planner.cache().pool().ref_count(b),
+                Some(0),
+                "pin leaked on {b}"
+            );
+        }
+        self.check();
+    }
+}
+
+fn run(seed: u64, steps: usize, plan: FaultPlan) -> (u64, u64) {
+    let mut h = Harness::new(seed, plan);
+    for _ in 0..steps {
+        h.step();
+    }
+    h.drain();
+    (h.loads_verified, h.failed_loads)
+}
+
+#[test]
+fn stress_without_faults_loads_exact_bytes() {
+    let mut verified = 0;
+    for seed in 0..40 {
+        verified += run(seed, 600, FaultPlan::default()).0;
+    }
+    eprintln!("verified {verified} loaded blocks");
+    assert!(
+        verified > 1000,
+        "the workload must exercise loads ({verified} blocks)"
+    );
+}
+
+#[test]
+fn stress_with_failed_and_delayed_copies_never_hangs_or_serves_wrong_bytes() {
+    let plan = FaultPlan {
+        fail_loads_every: 3,
+        fail_stores_every: 4,
+        delay: Duration::from_millis(1),
+        ..FaultPlan::default()
+    };
+    let (mut verified, mut failed) = (0, 0);
+    for seed in 100..130 {
+        let (v, f) = run(seed, 500, plan);
+        verified += v;
+        failed += f;
+    }
+    eprintln!("verified {verified} loaded blocks, {failed} loads failed");
+    assert!(verified > 100, "verified {verified}");
+    assert!(failed > 10, "failed {failed}");
+}
