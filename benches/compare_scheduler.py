@@ -276,6 +276,7 @@ def worker_report(connector: str, meta: Any) -> tuple[set[str] | None, Any, int,
 
 def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool) -> dict[str, Any]:
     from vllm import SamplingParams
+    from vllm.utils.gc_utils import freeze_gc_heap
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -300,8 +301,10 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
     step = 0  # simulated time; advances by one per engine step or idle tick
     nxt = 0
     finished = 0
+    # As vLLM's engine core does after start-up: move everything built so far out of the
+    # collector's way (collection stays enabled).
+    freeze_gc_heap()
     wall = time.perf_counter()
-    gc.collect()
     while True:
         while nxt < len(todo) and todo[nxt][0] <= step:
             _, s, tail = todo[nxt]
@@ -363,6 +366,7 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
                 flush=True,
             )
     wall = time.perf_counter() - wall
+    gc.unfreeze()
     assert finished == trace.requests, (finished, trace.requests)
     conn_total = sum(step_conn)
     sched_total = sum(step_sched)

@@ -58,10 +58,10 @@ class OffloadWorker:
         # Loads already reported failed whose copies may still complete later.
         self._abandoned: set[int] = set()
         self._stats = CounterDeltas()
-        # CUDA backend: each in-flight store's compute-stream event, kept alive until the
-        # store completes (the engine's stream waits on it; see cuda_events).
+        # CUDA backend: the compute-stream event each in-flight copy waits on, kept alive
+        # until the copy completes (the engine's stream waits on it; see cuda_events).
         self._cuda = False
-        self._store_events: dict[int, Any] = {}
+        self._events: dict[int, Any] = {}
 
     @property
     def engine(self) -> TransferEngine | None:
@@ -113,34 +113,45 @@ class OffloadWorker:
 
     def submit(self, metadata: KVOffloadMetadata) -> None:
         self._sync_loads = []
+        if self._engine is None:
+            for tid, _req_id, gpu, _cpu, _valid, _sync in metadata.loads:
+                self._fail_load(tid, gpu, "no KV caches registered")
+            if metadata.store is not None:
+                self._record(metadata.store[0], False, "no KV caches registered")
+            return
+        # On CUDA every copy of the step waits for the work already on the compute
+        # stream: stores must not read blocks still being written, and (with vLLM's
+        # async scheduling) a load must not overwrite a reallocated block that the
+        # previous step's forward pass may still read.
+        event, wait_event = None, None
+        if self._cuda and (metadata.loads or metadata.store is not None):
+            event, wait_event = record_compute_event()
         for tid, _req_id, gpu, cpu, valid, sync in metadata.loads:
-            if not valid or self._engine is None:
+            if not valid:
                 self._fail_load(tid, gpu, "no CPU hit backs this load")
                 continue
             self._loads[tid] = gpu
             try:
-                self._engine.submit(tid, False, gpu, cpu)
+                self._engine.submit(tid, False, gpu, cpu, wait_event)
             except KVOffloadError as e:
                 self._loads.pop(tid, None)
                 self._fail_load(tid, gpu, str(e))
                 continue
+            if event is not None:
+                self._events[tid] = event
             if sync:
                 self._sync_loads.append(tid)
         if metadata.store is not None:
             tid, gpu, cpu, req_ids = metadata.store
-            if self._engine is None:
-                self._record(tid, False, "no KV caches registered")
-                return
             self._stores[tid] = frozenset(req_ids)
             try:
-                wait_event = None
-                if self._cuda:
-                    # Stores must not read blocks the compute stream is still writing.
-                    self._store_events[tid], wait_event = record_compute_event()
                 self._engine.submit(tid, True, gpu, cpu, wait_event)
             except KVOffloadError as e:
                 self._stores.pop(tid, None)
                 self._record(tid, False, str(e))
+                return
+            if event is not None:
+                self._events[tid] = event
 
     def finish_sync_loads(self) -> None:
         """Waits for this step's synchronous loads: their requests run in this forward."""
@@ -203,7 +214,7 @@ class OffloadWorker:
             return
         gpu = self._loads.pop(tid, None)
         self._stores.pop(tid, None)
-        self._store_events.pop(tid, None)
+        self._events.pop(tid, None)
         if not ok:
             if gpu is not None:
                 self._load_errors.update(block_list(gpu))

@@ -1,0 +1,169 @@
+"""Typed stubs for the Rust extension ``kvoffload._native`` (crates/offload-py)."""
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Literal, final
+
+__all__ = [
+    "ConfigError",
+    "DeviceError",
+    "EngineShutdownError",
+    "HostMemoryError",
+    "InvalidInputError",
+    "KVOffloadError",
+    "OffloadConfig",
+    "Planner",
+    "QueueFullError",
+    "TransferEngine",
+    "TransferError",
+    "UnknownRequestError",
+    "UnknownTransferError",
+    "__version__",
+    "parse_config",
+]
+
+__version__: str
+
+# ---- errors: one class per core error kind, all under KVOffloadError -----------------
+
+class KVOffloadError(Exception): ...
+class ConfigError(KVOffloadError, ValueError): ...
+class InvalidInputError(KVOffloadError, ValueError): ...
+class UnknownRequestError(KVOffloadError, LookupError): ...
+class UnknownTransferError(KVOffloadError, LookupError): ...
+class TransferError(KVOffloadError, RuntimeError): ...
+class QueueFullError(KVOffloadError, RuntimeError): ...
+class EngineShutdownError(KVOffloadError, RuntimeError): ...
+class DeviceError(KVOffloadError, RuntimeError): ...
+class HostMemoryError(KVOffloadError, MemoryError): ...
+
+# ---- config ---------------------------------------------------------------------------
+
+@final
+class OffloadConfig:
+    @property
+    def cpu_bytes_per_rank(self) -> int: ...
+    @property
+    def lazy_offload(self) -> bool: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def faults(self) -> str | None: ...
+    def num_cpu_blocks(self, bytes_per_block: int) -> int: ...
+    def sync_loads(self, kv_in_host_memory: bool) -> bool: ...
+
+def parse_config(
+    extra: Mapping[str, Any] | None, world_size: int
+) -> tuple[OffloadConfig, list[str]]:
+    """Validates ``kv_connector_extra_config``; returns the config and warnings.
+
+    Raises ``ConfigError`` naming the key and the value for every invalid value."""
+
+# ---- scheduler side -------------------------------------------------------------------
+
+#: ``(transfer_id, req_id, gpu_blocks, cpu_blocks, valid, sync)``; block lists are
+#: little-endian u32 bytes.
+_LoadTuple = tuple[int, str, bytes, bytes, bool, bool]
+#: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
+_StoreTuple = tuple[int, bytes, bytes, list[str]]
+
+@final
+class Planner:
+    def __new__(
+        cls,
+        block_size: int,
+        num_cpu_blocks: int,
+        world_size: int = 1,
+        lazy: bool = False,
+        events: bool = False,
+        sync_loads: bool = False,
+    ) -> Planner: ...
+    def lookup(
+        self,
+        req_id: str,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        num_computed_tokens: int,
+    ) -> int: ...
+    def on_alloc(
+        self,
+        req_id: str,
+        gpu_block_ids: Sequence[int] | None,
+        num_computed_tokens: int,
+        num_external_tokens: int,
+    ) -> None: ...
+    def schedule(
+        self,
+        new_req_ids: list[str],
+        new_num_computed: list[int],
+        new_block_ids: list[Any],
+        cached_req_ids: list[str],
+        cached_num_computed: list[int],
+        cached_new_block_ids: list[Any],
+        resumed_req_ids: Collection[str],
+        hash_lists: Mapping[str, Sequence[bytes]],
+    ) -> tuple[list[_LoadTuple], _StoreTuple | None]: ...
+    def select_lazy(self, gpu_block_ids: list[int], block_hashes: list[bytes]) -> list[int]: ...
+    def take_step(self) -> tuple[list[_LoadTuple], _StoreTuple | None]: ...
+    def request_finished(
+        self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int
+    ) -> bool: ...
+    def complete(
+        self, transfer_ids: list[int], ok: list[bool]
+    ) -> tuple[list[str], list[str], list[int], list[int]]:
+        """Returns ``(finished_sending, finished_recving, load_error_blocks,
+        released_gpu_blocks)``."""
+    def take_events(self) -> list[tuple[Any, ...]]: ...
+    def reset(self) -> None: ...
+    def has_work_in_flight(self) -> bool: ...
+    @property
+    def num_requests(self) -> int: ...
+    @property
+    def num_cpu_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    def stats(self) -> list[tuple[str, int]]: ...
+
+# ---- worker side ----------------------------------------------------------------------
+
+#: ``(transfer_id, ok, error message or None)``.
+_CompletionTuple = tuple[int, bool, str | None]
+
+@final
+class TransferEngine:
+    def __new__(
+        cls,
+        regions: Sequence[tuple[int, int, int, int]],
+        num_cpu_blocks: int,
+        hugepages: bool = False,
+        backend: Literal["host", "cuda"] = "host",
+        device: int = 0,
+        cuda_batch: bool = True,
+        faults: str | None = None,
+    ) -> TransferEngine: ...
+    def submit(
+        self,
+        transfer_id: int,
+        store: bool,
+        gpu_blocks: bytes,
+        cpu_blocks: bytes,
+        wait_event: int | None = None,
+    ) -> None: ...
+    def poll(self) -> list[_CompletionTuple]: ...
+    def wait_for(self, transfer_ids: list[int], timeout_s: float) -> list[_CompletionTuple]: ...
+    def shutdown(self, timeout_s: float = 5.0) -> None: ...
+    def read_cpu_block(self, region: int, cpu_block: int) -> bytes: ...
+    def write_cpu_block(self, region: int, cpu_block: int, data: bytes) -> None: ...
+    @property
+    def num_cpu_blocks(self) -> int: ...
+    @property
+    def cpu_block_bytes(self) -> int: ...
+    @property
+    def host_bytes(self) -> int: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def backend_detail(self) -> str: ...
+    @property
+    def ready(self) -> bool: ...
+    def wait_ready(self, timeout_s: float) -> None: ...
+    def stats(self) -> list[tuple[str, int]]: ...
