@@ -9,6 +9,8 @@
 //!
 //! Run: `cargo bench -p offload-core --bench index` (add `-- --measurement-time 2` on a
 //! small machine; `-- --test` runs each case once as a smoke test).
+// criterion's macros generate undocumented public items.
+#![allow(missing_docs)]
 
 use std::hint::black_box;
 use std::sync::Mutex;

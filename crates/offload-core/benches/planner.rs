@@ -13,6 +13,8 @@
 //!
 //! The CPU pool has 48,505 blocks (the scheduler comparison's) and starts full, so every
 //! store evicts. Run: `cargo bench -p offload-core --bench planner`.
+// criterion's macros generate undocumented public items.
+#![allow(missing_docs)]
 
 use std::hint::black_box;
 use std::sync::Mutex;

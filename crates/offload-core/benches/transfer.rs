@@ -4,6 +4,8 @@
 //! Each engine bench submits one job and waits for its completion, so the figure includes
 //! the channel hop to the copy thread, validation, coalescing, the copies and the
 //! completion hop back. Besides criterion's report, a `ns/block` line is printed per case.
+// criterion's macros generate undocumented public items.
+#![allow(missing_docs)]
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
