@@ -42,6 +42,7 @@ class OffloadScheduler:
             sync_loads=sync_loads,
         )
         self._async_loads = not sync_loads
+        self._events = events
         self._lazy = config.lazy_offload
         self._lazy_limit = LAZY_WATERMARK_STEPS * -(-max_num_batched_tokens // block_size)
         # The request's own hash list: vLLM extends it in place as blocks fill.
@@ -78,24 +79,15 @@ class OffloadScheduler:
                 raise
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
-        s = scheduled_lists(scheduler_output)
+        *lists, preempted = scheduled_lists(scheduler_output)
         if self._lazy and self._walker is not None:
             ids, hashes = self._walker.candidates(self._lazy_limit)
             if ids:
                 chosen = self._planner.select_lazy(ids, hashes)
                 if chosen:
                     self._walker.hold(chosen)
-        loads, store = self._planner.schedule(
-            s.new_req_ids,
-            s.new_num_computed,
-            s.new_block_ids,
-            s.cached_req_ids,
-            s.cached_num_computed,
-            s.cached_new_block_ids,
-            s.resumed_req_ids,
-            self._hash_lists,
-        )
-        return KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=s.preempted_req_ids)
+        loads, store = self._planner.schedule(*lists, self._hash_lists)
+        return KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=preempted)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -129,6 +121,8 @@ class OffloadScheduler:
         )
 
     def take_events(self) -> list[Any]:
+        if not self._events:
+            return []
         raw = self._planner.take_events()
         return kv_events(raw) if raw else []
 
@@ -142,4 +136,6 @@ class OffloadScheduler:
         return self._planner.has_work_in_flight()
 
     def stats(self) -> KVOffloadStats | None:
+        if not self._stats.due():
+            return None
         return self._stats.delta(self._planner.stats())

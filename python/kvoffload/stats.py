@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +28,26 @@ class KVOffloadStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-class CounterDeltas:
-    """Turns monotonic counters into deltas, returning ``None`` when nothing moved."""
+#: vLLM asks for connector stats every step; its loggers print every few seconds, so
+#: reporting the deltas once per interval keeps the per-step cost to a clock read.
+REPORT_INTERVAL_S = 1.0
 
-    def __init__(self) -> None:
+
+class CounterDeltas:
+    """Turns monotonic counters into deltas, at most once per ``interval_s`` seconds,
+    returning ``None`` when it is not time yet or nothing moved."""
+
+    def __init__(self, interval_s: float = REPORT_INTERVAL_S) -> None:
         self._last: dict[str, int] = {}
+        self._interval = interval_s
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self._interval
+        return True
 
     def delta(self, counters: list[tuple[str, int]]) -> KVOffloadStats | None:
         data: dict[str, Any] = {}

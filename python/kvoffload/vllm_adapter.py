@@ -30,7 +30,6 @@ __all__ = [
     "KVConnectorStats",
     "KVConnectorWorkerMetadata",
     "Region",
-    "ScheduledLists",
     "bytes_per_block",
     "kv_events",
     "kv_in_host_memory",
@@ -119,21 +118,14 @@ def bytes_per_block(kv_cache_config: Any) -> int:
 # ---- scheduler output -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ScheduledLists:
-    """The per-step request lists the planner consumes, without per-request objects."""
+def scheduled_lists(scheduler_output: Any) -> tuple[Any, ...]:
+    """The per-step request lists the planner consumes, as
+    ``(new_req_ids, new_num_computed, new_block_ids, cached_req_ids, cached_num_computed,
+    cached_new_block_ids, resumed_req_ids, preempted_req_ids)``.
 
-    new_req_ids: list[str]
-    new_num_computed: list[int]
-    new_block_ids: list[Any]
-    cached_req_ids: list[str]
-    cached_num_computed: list[int]
-    cached_new_block_ids: list[Any]
-    resumed_req_ids: Any
-    preempted_req_ids: list[str]
-
-
-def scheduled_lists(scheduler_output: Any) -> ScheduledLists:
+    vLLM's own lists are passed through as they are (no per-request Python work for the
+    running requests); only the few new requests of a step are unpacked.
+    """
     new = scheduler_output.scheduled_new_reqs
     cached = scheduler_output.scheduled_cached_reqs
     resumed = getattr(cached, "resumed_req_ids", None)
@@ -141,15 +133,15 @@ def scheduled_lists(scheduler_output: Any) -> ScheduledLists:
         flags = getattr(cached, "resumed_from_preemption", ())
         resumed = {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
     preempted = scheduler_output.preempted_req_ids
-    return ScheduledLists(
-        new_req_ids=[r.req_id for r in new],
-        new_num_computed=[r.num_computed_tokens for r in new],
-        new_block_ids=[r.block_ids for r in new],
-        cached_req_ids=cached.req_ids,
-        cached_num_computed=cached.num_computed_tokens,
-        cached_new_block_ids=cached.new_block_ids,
-        resumed_req_ids=resumed,
-        preempted_req_ids=list(preempted) if preempted else [],
+    return (
+        [r.req_id for r in new],
+        [r.num_computed_tokens for r in new],
+        [r.block_ids for r in new],
+        cached.req_ids,
+        cached.num_computed_tokens,
+        cached.new_block_ids,
+        resumed,
+        list(preempted) if preempted else [],
     )
 
 

@@ -190,7 +190,7 @@ class OffloadWorker:
         return meta
 
     def stats(self) -> KVOffloadStats | None:
-        if self._engine is None:
+        if self._engine is None or not self._stats.due():
             return None
         return self._stats.delta(self._engine.stats())
 

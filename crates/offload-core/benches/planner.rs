@@ -162,15 +162,16 @@ impl Decode {
             } else {
                 &[]
             };
-            if p.needs_hashes(&r.id, r.computed) {
+            if p.note_scheduled(&r.id, r.computed, new, false)
+                .expect("schedule")
+            {
                 let missing = r.computed / BS - p.num_hashes(&r.id);
                 self.new_hashes.clear();
                 self.new_hashes
                     .extend((0..missing).map(|_| self.rng.hash()));
                 p.extend_hashes(&r.id, self.new_hashes.iter().copied());
+                p.store_confirmed(&r.id, r.computed);
             }
-            p.note_scheduled(&r.id, r.computed, new, false)
-                .expect("schedule");
             r.computed += 1;
         }
         let plan = p.take_step();

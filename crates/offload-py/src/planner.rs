@@ -2,9 +2,9 @@
 
 use offload_core::{BlockKey, KvEvent, Planner, PlannerConfig, StepPlan};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyMapping, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyMapping, PyString, PyTuple};
 
-use crate::convert::{block_hash, block_id, block_ids, count, hashes_from};
+use crate::convert::{block_hash, block_id, block_ids, count, hashes_from, type_name};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR};
 
 /// `(id, req_id, gpu_blocks, cpu_blocks, valid, sync)`; block lists are little-endian u32 bytes.
@@ -139,54 +139,52 @@ impl PyPlanner {
                 cached_new_block_ids.len()
             )));
         }
-        let mut rows: Vec<(String, usize, Vec<u32>, bool)> =
-            Vec::with_capacity(new_req_ids.len() + cached_req_ids.len());
+        // Request ids are borrowed from the Python strings (kept alive in `names`): no
+        // allocation per request per step.
+        let n = new_req_ids.len() + cached_req_ids.len();
+        let mut names: Vec<Bound<'py, PyString>> = Vec::with_capacity(n);
+        let mut rows: Vec<(usize, Vec<u32>, bool)> = Vec::with_capacity(n);
         for i in 0..new_req_ids.len() {
-            let req: String = new_req_ids.get_item(i)?.extract()?;
+            names.push(req_id(new_req_ids.get_item(i)?)?);
             let nct = count(
                 new_num_computed.get_item(i)?.extract()?,
                 "num_computed_tokens",
             )?;
-            let ids = group0_ids(&new_block_ids.get_item(i)?)?;
-            rows.push((req, nct, ids, true));
+            rows.push((nct, group0_ids(&new_block_ids.get_item(i)?)?, true));
         }
         let resumed_nonempty = resumed_req_ids.len().unwrap_or(0) > 0;
         for i in 0..cached_req_ids.len() {
-            let req_obj = cached_req_ids.get_item(i)?;
-            let req: String = req_obj.extract()?;
+            let name = req_id(cached_req_ids.get_item(i)?)?;
             let nct = count(
                 cached_num_computed.get_item(i)?.extract()?,
                 "num_computed_tokens",
             )?;
             let ids = group0_ids(&cached_new_block_ids.get_item(i)?)?;
-            let resumed = resumed_nonempty && resumed_req_ids.contains(&req_obj)?;
-            rows.push((req, nct, ids, resumed));
+            let resumed = resumed_nonempty && resumed_req_ids.contains(&name)?;
+            names.push(name);
+            rows.push((nct, ids, resumed));
         }
-        // Hashes cross once per block, when a block is first confirmed.
-        let mut hashes = Vec::new();
-        for (req, nct, _, _) in &rows {
-            if self.inner.needs_hashes(req, *nct) {
-                if let Some(list) = hash_lists
-                    .get_item(req.as_str())
-                    .ok()
-                    .filter(|l| !l.is_none())
-                {
-                    let known = self.inner.num_hashes(req);
-                    hashes.push((req.clone(), hashes_from(&list, known, "block_hashes")?));
+        let strs: Vec<&str> = names.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
+        let inner = &mut self.inner;
+        let wanting = py.detach(|| -> Result<Vec<usize>, offload_core::PlanError> {
+            let mut wanting = Vec::new();
+            for (i, (req, (nct, ids, replace))) in strs.iter().zip(&rows).enumerate() {
+                if inner.note_scheduled(req, *nct, ids, *replace)? {
+                    wanting.push(i);
                 }
             }
-        }
-        let inner = &mut self.inner;
-        let plan = py.detach(|| -> Result<StepPlan, offload_core::PlanError> {
-            for (req, new) in hashes {
-                inner.extend_hashes(&req, new);
-            }
-            for (req, nct, ids, replace) in &rows {
-                inner.note_scheduled(req, *nct, ids, *replace)?;
-            }
-            Ok(inner.take_step())
+            Ok(wanting)
         });
-        step_to_py(py, plan.map_err(plan_err)?)
+        // Hashes cross once per block, when a block is first confirmed.
+        for i in wanting.map_err(plan_err)? {
+            if let Some(list) = hash_lists.get_item(&names[i]).ok().filter(|l| !l.is_none()) {
+                let known = self.inner.num_hashes(strs[i]);
+                let new = hashes_from(&list, known, "block_hashes")?;
+                self.inner.extend_hashes(strs[i], new);
+            }
+            self.inner.store_confirmed(strs[i], rows[i].0);
+        }
+        step_to_py(py, self.inner.take_step())
     }
 
     /// Lazy mode: GPU blocks about to be evicted (least recently used first) with
@@ -229,8 +227,10 @@ impl PyPlanner {
         num_computed_tokens: i64,
     ) -> PyResult<bool> {
         let nct = count(num_computed_tokens, "num_computed_tokens")?;
-        if self.inner.needs_hashes(req_id, nct) && self.inner.num_hashes(req_id) > 0 {
-            let new = hashes_from(block_hashes, self.inner.num_hashes(req_id), "block_hashes")?;
+        let known = self.inner.num_hashes(req_id);
+        if known > 0 {
+            // Only the hashes of blocks filled since the request was last seen cross.
+            let new = hashes_from(block_hashes, known, "block_hashes")?;
             self.inner.extend_hashes(req_id, new);
         }
         self.inner.request_finished(req_id, nct).map_err(plan_err)
@@ -337,8 +337,22 @@ impl PyPlanner {
     }
 }
 
+/// A request id, which must be a `str`.
+fn req_id(v: Bound<'_, PyAny>) -> PyResult<Bound<'_, PyString>> {
+    v.cast_into::<PyString>().map_err(|e| {
+        INVALID_INPUT_ERROR.err(format!(
+            "request ids must be str, got {}",
+            type_name(e.into_inner().as_any())
+        ))
+    })
+}
+
 /// vLLM passes block ids per KV-cache group (`tuple[list[int], ...]`) or `None`.
 fn group0_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    // Most running requests get no new block in a step.
+    if v.is_none() {
+        return Ok(Vec::new());
+    }
     if let Ok(t) = v.cast::<PyTuple>() {
         return match t.len() {
             0 => Ok(Vec::new()),
