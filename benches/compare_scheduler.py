@@ -122,7 +122,6 @@ def model_dir(arg: str | None) -> Path:
 
 def build_scheduler(trace: Trace, model: Path, connector: str, lazy: bool) -> Any:
     import torch
-    from kvoffload.plugin import register
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
@@ -138,6 +137,8 @@ def build_scheduler(trace: Trace, model: Path, connector: str, lazy: bool) -> An
         KVCacheTensor,
     )
     from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvoffload.plugin import register
 
     register()
     max_len = trace.system_tokens + trace.unique_tokens + trace.output_tokens + BLOCK_SIZE

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvoffload import _native
 from kvoffload.cuda_events import engine_backend
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import struct
 
-import kvoffload
 import pytest
+
+import kvoffload
 from kvoffload import _native
 
 

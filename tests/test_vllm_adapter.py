@@ -1,0 +1,71 @@
+"""The vLLM adapter against vLLM's real objects: the GPU block pool's free queue (lazy
+mode) and KV tensor layouts (worker regions)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+from kvoffload.vllm_adapter import FreeQueueWalker, kv_regions
+
+
+def pool_with_freed_blocks(n_hashed: int) -> tuple[BlockPool, list[bytes]]:
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
+    blocks = pool.get_new_blocks(n_hashed + 2)
+    hashes = [bytes([i + 1]) * 32 for i in range(n_hashed)]
+    for block, h in zip(blocks, hashes, strict=False):
+        block.set_block_hash(make_block_hash_with_group_id(h, 0))
+    # Freed in order: hashed blocks go to the tail in this order, unhashed to the head.
+    pool.free_blocks(blocks)
+    return pool, hashes
+
+
+def test_walker_offers_hashed_free_blocks_oldest_first_and_resumes() -> None:
+    pool, hashes = pool_with_freed_blocks(4)
+    walker = FreeQueueWalker(pool)
+    ids, got = walker.candidates(limit=100)
+    assert got == hashes  # group id stripped, LRU order
+    assert len(set(ids)) == 4
+    # Nothing new since: the cursor resumes after the last block seen.
+    assert walker.candidates(limit=100) == ([], [])
+    walker.reset()
+    assert walker.candidates(limit=100)[1] == hashes
+
+
+def test_walker_limit_and_hold_release() -> None:
+    pool, hashes = pool_with_freed_blocks(4)
+    walker = FreeQueueWalker(pool)
+    ids, got = walker.candidates(limit=13)  # 11 never-used blocks, then two hashed ones
+    assert got == hashes[:2]
+    free_before = pool.get_num_free_blocks()
+    walker.hold(ids)
+    assert pool.get_num_free_blocks() == free_before - 2
+    walker.release(ids)
+    assert pool.get_num_free_blocks() == free_before
+
+
+@pytest.mark.parametrize(
+    ("shape", "split"),
+    [((8, 2, 16, 64), False), ((2, 8, 16, 4, 32), True)],
+    ids=["block-major (CPU, FlashInfer)", "K/V split (FlashAttention)"],
+)
+def test_kv_regions_cover_each_block_once(shape: tuple[int, ...], split: bool) -> None:
+    layers = {f"layer{i}": torch.zeros(shape) for i in range(2)}
+    regions = kv_regions(layers, num_blocks=8)
+    assert len(regions) == (4 if split else 2)
+    per_block = sum(r.block_bytes for r in regions)
+    assert per_block == sum(t.numel() * t.element_size() for t in layers.values()) // 8
+    assert len({r.base for r in regions}) == len(regions)
+    for r in regions:
+        assert r.num_blocks == 8
+        assert r.block_stride >= r.block_bytes
+
+
+def test_kv_regions_reject_tensors_without_a_block_dimension() -> None:
+    with pytest.raises(ValueError, match="block dimension"):
+        kv_regions({"l": torch.zeros(3, 5)}, num_blocks=8)
