@@ -161,7 +161,7 @@ def timed(fn: Callable[[], Any], out: list[int]) -> Any:
     return r
 
 
-def run(num_blocks: int, lookups: int, repeats: int, seed: int) -> dict[str, Any]:
+def run(num_blocks: int, lookups: int, repeats: int, seed: int, interleave: bool) -> dict[str, Any]:
     fill = num_blocks // PREFIX
     churn = fill  # a second pool's worth: every store evicts
     stream = key_stream(fill + churn + lookups, seed)
@@ -176,51 +176,76 @@ def run(num_blocks: int, lookups: int, repeats: int, seed: int) -> dict[str, Any
     def rec(side: str, op: str) -> list[int]:
         return t[side].setdefault(op, [])
 
+    def each(items: list[Any], *steps: Callable[[Any], None]) -> None:
+        # Interleaved: the two sides alternate item by item, so a busy spell on the
+        # machine hits both alike, and each side finds the CPU caches as the other left
+        # them (as in a scheduler, where vLLM's own Python runs between connector calls).
+        # Grouped: each side runs all items back to back (warm caches).
+        if interleave:
+            for x in items:
+                for step in steps:
+                    step(x)
+        else:
+            for step in steps:
+                for x in items:
+                    step(x)
+
     gc.collect()
-    for side, store in (("vllm", v.store), ("kvoffload", k.store)):
-        for h in stream[:fill]:
-            timed(lambda h=h, store=store: store(h), rec(side, "insert"))
-        for h in stream[fill : fill + churn]:
-            timed(lambda h=h, store=store: store(h), rec(side, "evict_insert"))
-        gc.collect()
+    for phase, prefixes in (
+        ("insert", stream[:fill]),
+        ("evict_insert", stream[fill : fill + churn]),
+    ):
+        each(
+            prefixes,
+            lambda h, phase=phase: timed(lambda: v.store(h), rec("vllm", phase)),
+            lambda h, phase=phase: timed(lambda: k.store(h), rec("kvoffload", phase)),
+        )
+    gc.collect()
 
     # Lookups of resident prefixes by new requests: find + pin, then unpin.
-    for h in picks:
-        timed(lambda h=h: v.find(h), rec("vllm", "find"))
-        blocks = timed(lambda h=h: v.find_pin(h), rec("vllm", "find_pin"))
+    def vllm_lookup(h: list[bytes]) -> None:
+        timed(lambda: v.find(h), rec("vllm", "find"))
+        blocks = timed(lambda: v.find_pin(h), rec("vllm", "find_pin"))
         assert len(blocks) == PREFIX
-        timed(lambda b=blocks: v.unpin(b), rec("vllm", "unpin"))
-    for h in picks:
+        timed(lambda: v.unpin(blocks), rec("vllm", "unpin"))
+
+    def kvo_lookup(h: list[bytes]) -> None:
         rid = k.new_id()
-        hit = timed(lambda h=h, r=rid: k.find_pin(r, h), rec("kvoffload", "find_pin"))
+        hit = timed(lambda: k.find_pin(rid, h), rec("kvoffload", "find_pin"))
         assert hit == PREFIX * BLOCK_SIZE, hit
-        timed(lambda h=h, r=rid: k.unpin(r, h), rec("kvoffload", "unpin"))
+        timed(lambda: k.unpin(rid, h), rec("kvoffload", "unpin"))
+
+    each(picks, vllm_lookup, kvo_lookup)
 
     # A prefix that is not there (misses on its first block).
-    for h in misses:
-        timed(lambda h=h: v.find(h), rec("vllm", "find_miss"))
-    for h in misses:
+    def kvo_miss(h: list[bytes]) -> None:
         rid = k.new_id()
-        timed(lambda h=h, r=rid: k.find_pin(r, h), rec("kvoffload", "find_miss"))
+        timed(lambda: k.find_pin(rid, h), rec("kvoffload", "find_miss"))
         k.unpin(rid, h)
+
+    each(misses, lambda h: timed(lambda: v.find(h), rec("vllm", "find_miss")), kvo_miss)
 
     # The head of the waiting queue asked again every step: Simple drops its pin and
     # looks up again; kvoffload answers from the pinned result.
-    h = picks[0]
-    blocks = v.find_pin(h)
+    h0 = picks[0]
+    held = [v.find_pin(h0)]
+    rid0 = k.new_id()
+    k.find_pin(rid0, h0)
 
-    def again(b: list[Any]) -> list[Any]:
-        v.unpin(b)
-        return v.find_pin(h)
+    def vllm_again(_: int) -> None:
+        def again() -> list[Any]:
+            v.unpin(held[0])
+            return v.find_pin(h0)
 
-    for _ in range(repeats):
-        blocks = timed(lambda b=blocks: again(b), rec("vllm", "find_pin_repeat"))
-    v.unpin(blocks)
-    rid = k.new_id()
-    k.find_pin(rid, h)
-    for _ in range(repeats):
-        timed(lambda r=rid: k.find_pin(r, h), rec("kvoffload", "find_pin_repeat"))
-    k.unpin(rid, h)
+        held[0] = timed(again, rec("vllm", "find_pin_repeat"))
+
+    each(
+        list(range(repeats)),
+        vllm_again,
+        lambda _: timed(lambda: k.find_pin(rid0, h0), rec("kvoffload", "find_pin_repeat")),
+    )
+    v.unpin(held[0])
+    k.unpin(rid0, h0)
 
     # Single keys (vLLM's per-block primitive; kvoffload has no per-key Python call).
     for h in picks[:50]:
@@ -263,6 +288,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2000, help="repeated lookups")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="whole runs; the best is kept")
+    ap.add_argument(
+        "--order",
+        choices=("interleaved", "grouped"),
+        default="interleaved",
+        help="alternate the two sides op by op (default), or run each side's ops back to back",
+    )
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--smoke", action="store_true", help="a tiny run (CI smoke test)")
     args = ap.parse_args()
@@ -275,11 +306,14 @@ def main() -> None:
     print(f"machine: {describe(m)}")
     print(
         f"pool {args.blocks} blocks, prefixes of {PREFIX} blocks, "
-        f"{args.lookups} lookups, seed {args.seed}\n"
+        f"{args.lookups} lookups, seed {args.seed}, {args.order}\n"
     )
     # Each repetition replays the whole stream on fresh indexes; per operation the
     # repetition with the lowest median is kept (the least disturbed by other processes).
-    runs = [run(args.blocks, args.lookups, args.repeats, args.seed) for _ in range(args.repeat)]
+    inter = args.order == "interleaved"
+    runs = [
+        run(args.blocks, args.lookups, args.repeats, args.seed, inter) for _ in range(args.repeat)
+    ]
     res: dict[str, Any] = {
         side: {
             op: min((r[side][op] for r in runs), key=lambda x: x["p50_us"]) for op in runs[0][side]

@@ -5,7 +5,7 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
-KVOFFLOAD_SKIP_BUILD="${KVOFFLOAD_SKIP_BUILD:-0}" "$REPO/scripts/setup.sh"
+"$REPO/scripts/setup.sh"
 PY="$REPO/.venv/bin/python"
 OUT="$REPO/docs/benchmarks"
 smoke=()

@@ -99,13 +99,15 @@ def index_panel(ax: Any, data: dict[str, Any]) -> None:
         )
         annotate(ax, i, max(r["vllm_us"], r["kvoffload_us"]), f"{r['ratio']:.1f}x")
     ax.set_yscale("log")
+    top = max(max(r["vllm_us"], r["kvoffload_us"]) for r in rows)
+    ax.set_ylim(top=top * 12)  # room for the ratio labels and the legend
     ax.set_xticks(range(len(rows)), [SHORT.get(r["op"], r["op"]) for r in rows], fontsize=8)
     ax.set_ylabel("µs per call, 128 blocks (p50, log)")
     ax.set_title(
         f"Index through Python: pool of {data['params']['blocks']:,} blocks, 128-block prefixes",
         fontsize=9,
     )
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper right", ncols=2)
 
 
 def main() -> None:

@@ -112,6 +112,7 @@ def test_planner_round_trip_through_python() -> None:
         (lambda p: p.on_alloc("a", ["x"], 0, 16), kvoffload.InvalidInputError),
         (lambda p: p.on_alloc("a", [2**40], 0, 16), kvoffload.InvalidInputError),
         (lambda p: p.select_lazy([1, 2], [b"x" * 32]), kvoffload.InvalidInputError),
+        (lambda p: p.select_lazy([1], ["not bytes"]), kvoffload.InvalidInputError),
         (lambda p: p.complete([1, 2], [True]), kvoffload.InvalidInputError),
         (lambda p: p.complete([99], [True]), kvoffload.UnknownTransferError),
         (

@@ -17,9 +17,9 @@ from kvoffload.vllm_adapter import FreeQueueWalker, kv_regions
 def pool_with_freed_blocks(n_hashed: int) -> tuple[BlockPool, list[bytes]]:
     pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
     blocks = pool.get_new_blocks(n_hashed + 2)
-    hashes = [bytes([i + 1]) * 32 for i in range(n_hashed)]
+    hashes = [make_block_hash_with_group_id(bytes([i + 1]) * 32, 0) for i in range(n_hashed)]
     for block, h in zip(blocks, hashes, strict=False):
-        block.set_block_hash(make_block_hash_with_group_id(h, 0))
+        block.set_block_hash(h)
     # Freed in order: hashed blocks go to the tail in this order, unhashed to the head.
     pool.free_blocks(blocks)
     return pool, hashes
@@ -29,7 +29,7 @@ def test_walker_offers_hashed_free_blocks_oldest_first_and_resumes() -> None:
     pool, hashes = pool_with_freed_blocks(4)
     walker = FreeQueueWalker(pool)
     ids, got = walker.candidates(limit=100)
-    assert got == hashes  # group id stripped, LRU order
+    assert got == hashes  # LRU order; the planner drops the 4-byte group id
     assert len(set(ids)) == 4
     # Nothing new since: the cursor resumes after the last block seen.
     assert walker.candidates(limit=100) == ([], [])

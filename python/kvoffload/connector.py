@@ -113,6 +113,10 @@ class KVOffloadConnector(KVConnectorBase_V1):
             if config.faults:
                 logger.warning("KVOffloadConnector: injecting copy faults: %s", config.faults)
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # One KV-cache group (checked at construction); vLLM asks for every async load.
+        return (0,)
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A cache, not a handoff: vLLM may drop a preempted request's stale output.

@@ -83,7 +83,7 @@ class OffloadScheduler:
         if self._lazy and self._walker is not None:
             ids, hashes = self._walker.candidates(self._lazy_limit)
             if ids:
-                chosen = self._planner.select_lazy(ids, hashes)
+                chosen = self._planner.select_lazy(ids, hashes, 4)
                 if chosen:
                     self._walker.hold(chosen)
         loads, store = self._planner.schedule(*lists, self._hash_lists)

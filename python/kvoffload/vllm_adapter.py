@@ -181,10 +181,10 @@ class FreeQueueWalker:
         tail = self._queue.fake_free_list_tail
         seen = 0
         while node is not None and node is not tail and seen < limit:
-            h = node.block_hash
+            h = node._block_hash
             if h is not None and not node.is_null:
                 ids.append(node.block_id)
-                hashes.append(h[:-4])
+                hashes.append(h)  # with the 4-byte group id: the planner drops it
             cursor = node
             node = node.next_free_block
             seen += 1

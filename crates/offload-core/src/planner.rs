@@ -346,14 +346,18 @@ impl Planner {
             }
         }
         release_hit(&mut self.cache, r);
+        // Probe the whole run first, then pin: independent probes overlap their cache
+        // misses, and the pins then find the lines warm.
         let mut blocks = Vec::new();
         for h in &r.hashes[start.min(limit)..limit] {
             let Some(b) = self.cache.get_ready(&BlockKey::new(GROUP, *h)) else {
                 break;
             };
+            blocks.push(b);
+        }
+        for &b in &blocks {
             // The block is ready, hence in range and pinnable.
             let _ = self.cache.pin(b);
-            blocks.push(b);
         }
         let tokens = blocks.len() * bs;
         r.hit = Some(Hit {

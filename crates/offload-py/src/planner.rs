@@ -4,7 +4,7 @@ use offload_core::{BlockKey, KvEvent, Planner, PlannerConfig, StepPlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PyString, PyTuple};
 
-use crate::convert::{block_hash, block_id, block_ids, count, hashes_from, type_name};
+use crate::convert::{block_id, block_ids, count, hashes_from, type_name};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR};
 
 /// `(id, req_id, gpu_blocks, cpu_blocks, valid, sync)`; block lists are little-endian u32 bytes.
@@ -189,10 +189,12 @@ impl PyPlanner {
 
     /// Lazy mode: GPU blocks about to be evicted (least recently used first) with
     /// their hashes; returns the GPU ids selected for storing.
+    #[pyo3(signature = (gpu_block_ids, block_hashes, strip = 0))]
     fn select_lazy(
         &mut self,
         gpu_block_ids: &Bound<'_, PyList>,
         block_hashes: &Bound<'_, PyList>,
+        strip: usize,
     ) -> PyResult<Vec<u32>> {
         if gpu_block_ids.len() != block_hashes.len() {
             return Err(INVALID_INPUT_ERROR.err(format!(
@@ -203,10 +205,20 @@ impl PyPlanner {
         }
         let mut cands = Vec::with_capacity(gpu_block_ids.len());
         for (i, (id, h)) in gpu_block_ids.iter().zip(block_hashes.iter()).enumerate() {
-            cands.push((
-                block_id(&id, "gpu_block_ids")?,
-                BlockKey::new(0, block_hash(&h, "block_hashes", i)?),
-            ));
+            // `strip`: trailing bytes to drop (vLLM's 4-byte group id), without a Python
+            // slice per candidate.
+            let b = h
+                .cast::<PyBytes>()
+                .map_err(|_| {
+                    INVALID_INPUT_ERROR.err(format!(
+                        "block_hashes[{i}]: block hash must be bytes, got {}",
+                        type_name(&h)
+                    ))
+                })?
+                .as_bytes();
+            let hash = offload_core::BlockHash::from_bytes(&b[..b.len().saturating_sub(strip)])
+                .ok_or_else(|| INVALID_INPUT_ERROR.err(format!("block_hashes[{i}]: empty")))?;
+            cands.push((block_id(&id, "gpu_block_ids")?, BlockKey::new(0, hash)));
         }
         Ok(self.inner.select_lazy(cands))
     }
