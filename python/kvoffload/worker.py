@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     import torch
 
 #: How long a preempted request's in-flight stores may take before the step goes on
-#: without them (a copy that slow means the device is broken; the error is logged).
+#: without them (a copy that slow means the device is broken): they are then reported
+#: failed, so nothing they copied is ever served.
 PREEMPTION_FENCE_TIMEOUT_S = 30.0
 SYNC_LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -106,7 +107,12 @@ class OffloadWorker:
         try:
             done = self._engine.wait_for(fence, PREEMPTION_FENCE_TIMEOUT_S)
         except KVOffloadError as e:
+            # The forward pass may now overwrite what these stores read: never publish
+            # them (their late completions are ignored).
             logger.error("kvoffload: waiting for stores of preempted requests failed: %s", e)
+            for tid in fence:
+                self._record(tid, False, str(e))
+                self._abandoned.add(tid)
             return
         for tid, ok, err in done:
             self._record(tid, ok, err)

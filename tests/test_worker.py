@@ -1,0 +1,95 @@
+"""The worker adapter with real CPU KV tensors: preemption fences and failure reporting."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+
+from kvoffload import worker as worker_mod
+from kvoffload.metadata import KVOffloadMetadata
+from kvoffload.worker import OffloadWorker
+
+
+def ids(*xs: int) -> bytes:
+    return struct.pack(f"<{len(xs)}I", *xs)
+
+
+def make_worker(faults: str | None = None) -> tuple[OffloadWorker, dict[str, torch.Tensor]]:
+    kv = {f"layer{i}": torch.randn(8, 2, 16, 8) for i in range(2)}
+    per_block = sum(t[0].numel() * t.element_size() for t in kv.values())
+    w = OffloadWorker(num_cpu_blocks=4, bytes_per_block=per_block, num_gpu_blocks=8, faults=faults)
+    w.register_kv_caches(kv)
+    return w, kv
+
+
+def drain(w: OffloadWorker, expect: int) -> tuple[list[int], list[bool]]:
+    got_ids: list[int] = []
+    got_ok: list[bool] = []
+    deadline = time.monotonic() + 10
+    while len(got_ids) < expect and time.monotonic() < deadline:
+        w.poll()
+        meta = w.take_worker_meta()
+        if meta is not None:
+            got_ids += meta.transfer_ids
+            got_ok += meta.ok
+        time.sleep(0.01)
+    return got_ids, got_ok
+
+
+def test_store_then_load_round_trips_and_reports_both() -> None:
+    w, kv = make_worker()
+    before = {k: t.clone() for k, t in kv.items()}
+    w.submit(KVOffloadMetadata(store=(1, ids(2, 3), ids(0, 1), ["r"])))
+    assert drain(w, 1) == ([1], [True])
+    w.submit(KVOffloadMetadata(loads=[(2, "s", ids(6, 7), ids(0, 1), True, False)]))
+    assert drain(w, 1) == ([2], [True])
+    for k in kv:
+        assert torch.equal(kv[k][6], before[k][2])
+        assert torch.equal(kv[k][7], before[k][3])
+    w.shutdown()
+
+
+def test_invalid_load_is_reported_failed_with_its_gpu_blocks() -> None:
+    w, _ = make_worker()
+    w.submit(KVOffloadMetadata(loads=[(5, "r", ids(4, 5), b"", False, False)]))
+    assert w.take_load_errors() == {4, 5}
+    meta = w.take_worker_meta()
+    assert meta is not None
+    assert (meta.transfer_ids, meta.ok) == ([5], [False])
+    w.shutdown()
+
+
+def test_preemption_fence_waits_for_that_requests_stores_only() -> None:
+    w, _ = make_worker(faults="delay_ms=200")
+    w.submit(KVOffloadMetadata(store=(1, ids(1), ids(0), ["preempted"])))
+    w.submit(KVOffloadMetadata(store=(2, ids(2), ids(1), ["other"])))
+    t = time.monotonic()
+    w.handle_preemptions(KVOffloadMetadata(preempted_req_ids=["preempted"]))
+    assert time.monotonic() - t >= 0.15  # it waited for store 1
+    meta = w.take_worker_meta()
+    assert meta is not None
+    assert (meta.transfer_ids, meta.ok) == ([1], [True])
+    assert drain(w, 1) == ([2], [True])
+    w.shutdown()
+
+
+def test_a_fence_that_times_out_reports_the_store_failed_and_ignores_its_completion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker_mod, "PREEMPTION_FENCE_TIMEOUT_S", 0.01)
+    w, _ = make_worker(faults="delay_ms=300")
+    w.submit(KVOffloadMetadata(store=(1, ids(1), ids(0), ["preempted"])))
+    w.handle_preemptions(KVOffloadMetadata(preempted_req_ids=["preempted"]))
+    meta = w.take_worker_meta()
+    assert meta is not None
+    assert (meta.transfer_ids, meta.ok) == ([1], [False])
+    time.sleep(0.4)
+    w.poll()
+    assert w.take_worker_meta() is None  # the late completion is not reported twice
+    w.shutdown()
