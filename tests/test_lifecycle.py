@@ -36,13 +36,13 @@ def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[st
 def test_shutdown_with_copies_in_flight_is_bounded_and_reports_them() -> None:
     code = ENGINE_WITH_WORK.replace("FAULTS", '"delay_ms=20"') + textwrap.dedent(
         """
-        t = time.monotonic()
+        # Raises if the copy thread does not stop within the bound.
         engine.shutdown(5.0)
-        took = time.monotonic() - t
         done = engine.poll()
-        assert len(done) == 40, len(done)
-        assert any(not ok for _, ok, _ in done), "queued copies must be reported, not lost"
-        print("OK", took)
+        # Every copy is reported exactly once: run to completion, or failed as shut down.
+        assert sorted(t for t, _, _ in done) == list(range(1, 41)), done
+        assert all(ok or "shut down" in err for _, ok, err in done), done
+        print("OK")
         """
     )
     proc = run_python(code)
