@@ -15,10 +15,8 @@ total token throughput, wall time, and where the prompt tokens came from.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, describe, machine, ratio, write_json
 
 sys.path.insert(0, str(REPO / "scripts"))
-from demo import metrics, workload
+from demo import measure, offload_config, workload
 
 CONFIGS = {
     "off": None,
@@ -72,82 +70,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run(model: str, tiny: bool, prompts: list[list[int]], args: argparse.Namespace, cfg: str):
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    kw: dict[str, Any] = {
-        "model": model,
-        "enforce_eager": True,
-        "enable_prefix_caching": True,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.concurrency,
-        "kv_cache_memory_bytes": int(args.kv_cache_mib * 2**20),
-        "disable_log_stats": False,
-        "seed": 0,
-    }
-    if tiny:
-        kw["dtype"] = "float32"
-        kw["distributed_executor_backend"] = "uni"
+def run(model: str, prompts: list[list[int]], args: argparse.Namespace, cfg: str) -> dict:
+    kv_transfer_config = None
     conn = CONFIGS[cfg]
     if conn is not None:
         name, lazy = conn
-        extra: dict[str, Any] = {
-            "cpu_bytes_to_use": int(args.cpu_mib * 2**20),
-            "lazy_offload": lazy,
-        }
+        kv_transfer_config = offload_config(args, lazy=lazy)
+        kv_transfer_config["kv_connector"] = name
+        kv_transfer_config["kv_load_failure_policy"] = "recompute"
         if args.load_mode and name == "KVOffloadConnector":
-            extra["load_mode"] = args.load_mode
-        kw["kv_transfer_config"] = {
-            "kv_connector": name,
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra,
-        }
-    llm = LLM(**kw)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
-        # Warm-up (first forward passes, kernel set-up): one short prompt that shares no
-        # block with the workload.
-        llm.generate(
-            [TokensPrompt(prompt_token_ids=[2] * 8)],
-            SamplingParams(max_tokens=2, ignore_eos=True),
-            use_tqdm=False,
-        )
-        before = metrics(llm)
-        t0 = time.perf_counter()
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
-        wall = time.perf_counter() - t0
-        after = metrics(llm)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-        ensure_kv_transfer_shutdown()
-
-    def d(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    prompt_tokens = sum(len(p) for p in prompts)
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    gpu_hits, cpu_hits = d("vllm:prefix_cache_hits"), d("vllm:external_prefix_cache_hits")
-    n_ttft = d("vllm:time_to_first_token_seconds:count")
+            kv_transfer_config["kv_connector_extra_config"]["load_mode"] = args.load_mode
+    r = measure(model, prompts, args, kv_transfer_config, warmup=True)
+    tokens = r["prompt_tokens"] + r["output_tokens"]
     return {
         "config": cfg,
-        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "gpu_hit_tokens": int(gpu_hits),
-        "cpu_hit_tokens": int(cpu_hits),
-        "recomputed_tokens": int(prompt_tokens - gpu_hits - cpu_hits),
-        "ttft_ms": 1e3 * d("vllm:time_to_first_token_seconds:sum") / n_ttft if n_ttft else None,
-        "wall_s": wall,
-        "output_tok_s": output_tokens / wall,
-        "total_tok_s": (prompt_tokens + output_tokens) / wall,
+        **r,
+        "ttft_ms": r["ttft_ms"] or None,
+        "output_tok_s": r["output_tokens"] / r["wall_s"],
+        "total_tok_s": tokens / r["wall_s"],
     }
 
 
@@ -191,7 +131,7 @@ def main() -> int:
     by_cfg: dict[str, list[dict[str, Any]]] = {c: [] for c in cfgs}
     for rep in range(args.repeat):
         for cfg in cfgs:
-            r = run(model, tiny, prompts, args, cfg)
+            r = run(model, prompts, args, cfg)
             by_cfg[cfg].append(r)
             tag = f"[{rep + 1}/{args.repeat}] " if args.repeat > 1 else ""
             print(f"{tag}{line(r)}", flush=True)
