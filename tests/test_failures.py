@@ -74,7 +74,7 @@ def test_failed_stores_are_never_served(tiny_model: Path, reference: list[list[i
 
 
 def test_sticky_device_error_degrades_to_recompute(
-    tiny_model: Path, reference: list[list[int]], caplog: pytest.LogCaptureFixture
+    tiny_model: Path, reference: list[list[int]]
 ) -> None:
     with engine(tiny_model, faulty("fatal_after=6"), **ENGINE_ARGS) as llm:
         first, again = run_twice(llm)

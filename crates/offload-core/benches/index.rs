@@ -12,10 +12,13 @@
 // criterion's macros generate undocumented public items.
 #![allow(missing_docs)]
 
+mod common;
+
 use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use common::Rng;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use offload_core::{BlockCache, BlockHash, BlockKey, EvictionPolicy, Lru, PrefixIndex};
 
@@ -25,28 +28,6 @@ const SIZES: [u32; 2] = [48_505, 1 << 20];
 const BATCH: usize = 4096;
 /// The prefix length of the Python comparison (`benches/compare_index.py`).
 const PREFIX: usize = 128;
-
-/// splitmix64: a seeded stream of well-mixed words (vLLM's hashes are sha256 output).
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn hash(&mut self) -> BlockHash {
-        BlockHash((u128::from(self.next()) << 64) | u128::from(self.next()))
-    }
-
-    fn keys(&mut self, n: usize) -> Vec<BlockKey> {
-        (0..n).map(|_| BlockKey::new(0, self.hash())).collect()
-    }
-}
 
 /// Median ns per op of the samples one case took.
 fn report(name: &str, samples: Mutex<Vec<f64>>) {

@@ -16,10 +16,13 @@
 // criterion's macros generate undocumented public items.
 #![allow(missing_docs)]
 
+mod common;
+
 use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use common::Rng;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use offload_core::{BlockHash, BlockKey, Planner, PlannerConfig, TransferId};
 
@@ -29,28 +32,6 @@ const CPU_BLOCKS: u32 = 48_505;
 const PROMPT: usize = 512;
 const RUNNING: [usize; 3] = [64, 256, 1024];
 const BLOCKS: usize = 128;
-
-/// splitmix64, for hashes as random as vLLM's sha256 ones.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn hash(&mut self) -> BlockHash {
-        BlockHash((u128::from(self.next()) << 64) | u128::from(self.next()))
-    }
-
-    fn hashes(&mut self, n: usize) -> Vec<BlockHash> {
-        (0..n).map(|_| self.hash()).collect()
-    }
-}
 
 fn planner(lazy: bool) -> Planner {
     Planner::new(PlannerConfig {

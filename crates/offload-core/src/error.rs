@@ -49,24 +49,6 @@ pub enum PlanError {
     /// A request id the planner has never seen, or one that already finished.
     #[error("unknown request `{0}`")]
     UnknownRequest(String),
-    /// A block hash could not be turned into a key.
-    #[error("invalid block hash for request `{req}` at block {index}: {reason}")]
-    InvalidHash {
-        /// The request the hash belongs to.
-        req: String,
-        /// The position of the hash in the request.
-        index: usize,
-        /// Why it is rejected.
-        reason: &'static str,
-    },
-    /// A GPU block id is negative or does not fit the id type.
-    #[error("invalid GPU block id {id} for request `{req}`")]
-    InvalidGpuBlock {
-        /// The request the id belongs to.
-        req: String,
-        /// The offending id.
-        id: i64,
-    },
     /// A completion names a transfer the planner did not issue or already retired.
     #[error("unknown transfer id {0}")]
     UnknownTransfer(u64),

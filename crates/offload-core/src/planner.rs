@@ -281,15 +281,11 @@ impl Planner {
 
     /// Appends block hashes to `req`, creating the request on first use.
     pub fn extend_hashes(&mut self, req: &str, hashes: impl IntoIterator<Item = BlockHash>) {
-        if let Some(r) = self.requests.get_mut(req) {
-            r.hashes.extend(hashes);
-        } else {
-            let r = Request {
-                hashes: hashes.into_iter().collect(),
-                ..Request::default()
-            };
-            self.requests.insert(req.to_string(), r);
-        }
+        self.requests
+            .entry_ref(req)
+            .or_default()
+            .hashes
+            .extend(hashes);
     }
 
     /// Tokens of `req` that can be loaded from CPU after its first `num_computed_tokens`

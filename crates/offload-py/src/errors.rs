@@ -154,8 +154,5 @@ pub(crate) fn plan_err(e: PlanError) -> PyErr {
     match e {
         PlanError::UnknownRequest(_) => UNKNOWN_REQUEST_ERROR.err(msg),
         PlanError::UnknownTransfer(_) => UNKNOWN_TRANSFER_ERROR.err(msg),
-        PlanError::InvalidHash { .. } | PlanError::InvalidGpuBlock { .. } => {
-            INVALID_INPUT_ERROR.err(msg)
-        }
     }
 }
