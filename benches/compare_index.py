@@ -12,7 +12,7 @@ prefixes) goes through both:
   is full) + ``_insert_block_hash`` per block + ``free_blocks`` (cached, evictable).
 * kvoffload: ``kvoffload._native.Planner``, one call per prefix as the connector makes
   them: ``lookup`` (finds and pins), ``request_finished`` (unpins and forgets), and a
-  store is ``select_lazy`` + ``take_step`` + ``complete`` (reserve, evicting when full,
+  store is ``schedule`` with lazy candidates + ``complete`` (reserve, evicting when full,
   hand out, publish).
 
 Each operation is timed per call (``perf_counter_ns``) and reported per 128-block prefix
@@ -134,9 +134,10 @@ class KvoIndex:
 
     def store(self, hashes: list[bytes]) -> None:
         p = self.planner
-        chosen = p.select_lazy(self._gpu_ids, hashes)
-        assert len(chosen) == len(hashes), "every key is new"
-        _loads, store = p.take_step()
+        _loads, store, held = p.schedule(
+            [], [], [], [], [], [], (), {}, self._gpu_ids, hashes
+        )
+        assert len(held) == len(hashes), "every key is new"
         assert store is not None
         p.complete([store[0]], [True])
 

@@ -76,21 +76,20 @@ def test_planner_round_trip_through_python() -> None:
     p.lookup("a", hashes, 65, 0)
     gpu = [10, 11, 12, 13, 14]
     p.on_alloc("a", gpu, 0, 0)
-    loads, store = p.schedule(["a"], [0], [(gpu,)], [], [], [], set(), {"a": hashes})
+    loads, store, held = p.schedule(["a"], [0], [(gpu,)], [], [], [], set(), {"a": hashes})
     # Prefix-hit blocks of a new request wait a step.
-    assert loads == []
-    assert store is None
-    loads, store = p.schedule([], [], [], ["a"], [64], [None], set(), {"a": hashes})
+    assert (loads, store, held) == ([], None, [])
+    loads, store, held = p.schedule([], [], [], ["a"], [64], [None], set(), {"a": hashes})
     assert store is not None
-    tid, gpu_b, cpu_b, reqs = store
+    tid, gpu_b, cpu_b, reqs, flush = store
     assert gpu_b == ids(10, 11, 12, 13)
-    assert reqs == ["a"]
+    assert (reqs, flush) == (["a"], [])
     assert p.request_finished("a", hashes, 65)
     sending, recving, errors, released = p.complete([tid], [True])
     assert (sending, recving, errors, released) == (["a"], [], [], [])
     assert p.lookup("b", hashes, 65, 0) == 64
     p.on_alloc("b", [20, 21, 22, 23, 24], 0, 64)
-    loads, store = p.take_step()
+    loads, store, _ = p.schedule(["b"], [0], [None], [], [], [], set(), {"b": hashes})
     assert store is None
     (ltid, req, lgpu, lcpu, valid, sync) = loads[0]
     assert (req, lgpu, lcpu, valid, sync) == ("b", ids(20, 21, 22, 23), cpu_b, True, False)
@@ -103,16 +102,32 @@ def test_planner_round_trip_through_python() -> None:
 @pytest.mark.parametrize(
     ("call", "exc"),
     [
-        (lambda p: p.lookup("z", [1, 2], 10, 0), kvoffload.InvalidInputError),
-        (lambda p: p.lookup("z", [b""], 10, 0), kvoffload.InvalidInputError),
+        # Hashes are read where the lookup needs them: 40 tokens need the first two.
+        (lambda p: p.lookup("z", [1, 2], 40, 0), kvoffload.InvalidInputError),
+        (lambda p: p.lookup("z", [b""], 40, 0), kvoffload.InvalidInputError),
         (lambda p: p.lookup("z", None, 10, 0), kvoffload.InvalidInputError),
         (lambda p: p.lookup("a", [b"x" * 32], -1, 0), kvoffload.InvalidInputError),
         (lambda p: p.on_alloc("nobody", [1], 0, 16), kvoffload.UnknownRequestError),
         (lambda p: p.on_alloc("a", [-1], 0, 16), kvoffload.InvalidInputError),
         (lambda p: p.on_alloc("a", ["x"], 0, 16), kvoffload.InvalidInputError),
         (lambda p: p.on_alloc("a", [2**40], 0, 16), kvoffload.InvalidInputError),
-        (lambda p: p.select_lazy([1, 2], [b"x" * 32]), kvoffload.InvalidInputError),
-        (lambda p: p.select_lazy([1], ["not bytes"]), kvoffload.InvalidInputError),
+        (
+            lambda p: p.schedule([], [], [], [], [], [], set(), {}, [1, 2], [b"x" * 32]),
+            kvoffload.InvalidInputError,
+        ),
+        (
+            lambda p: p.schedule([], [], [], [], [], [], set(), {}, [1], ["not bytes"]),
+            kvoffload.InvalidInputError,
+        ),
+        (
+            # A hash list that is not bytes, read when block 0 is confirmed.
+            lambda p: p.schedule([], [], [], ["a"], [16], [None], set(), {"a": [7]}),
+            kvoffload.InvalidInputError,
+        ),
+        (
+            lambda p: p.request_finished("a", [None], 16),
+            kvoffload.InvalidInputError,
+        ),
         (lambda p: p.complete([1, 2], [True]), kvoffload.InvalidInputError),
         (lambda p: p.complete([99], [True]), kvoffload.UnknownTransferError),
         (
@@ -131,7 +146,8 @@ def test_bad_planner_input_raises_typed_errors(call, exc) -> None:  # type: igno
     with pytest.raises(exc):
         call(p)
     # The planner still works after the error.
-    assert p.lookup("a", [b"h" * 32], 17, 0) == 0
+    p.lookup("b", [b"h" * 32], 17, 0)
+    assert p.lookup("b", [b"h" * 32], 17, 0) == 0
 
 
 def test_planner_rejects_bad_geometry() -> None:

@@ -63,8 +63,9 @@ def parse_config(
 #: ``(transfer_id, req_id, gpu_blocks, cpu_blocks, valid, sync)``; block lists are
 #: little-endian u32 bytes.
 _LoadTuple = tuple[int, str, bytes, bytes, bool, bool]
-#: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
-_StoreTuple = tuple[int, bytes, bytes, list[str]]
+#: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids, flush_req_ids)``: ``flush_req_ids`` are
+#: finished requests whose GPU blocks wait for this copy.
+_StoreTuple = tuple[int, bytes, bytes, list[str], list[str]]
 
 @final
 class Planner:
@@ -101,11 +102,12 @@ class Planner:
         cached_new_block_ids: list[Any],
         resumed_req_ids: Collection[str],
         hash_lists: Mapping[str, Sequence[bytes]],
-    ) -> tuple[list[_LoadTuple], _StoreTuple | None]: ...
-    def select_lazy(
-        self, gpu_block_ids: list[int], block_hashes: list[bytes], strip: int = 0
-    ) -> list[int]: ...
-    def take_step(self) -> tuple[list[_LoadTuple], _StoreTuple | None]: ...
+        lazy_gpu_block_ids: list[int] | None = None,
+        lazy_block_hashes: list[bytes] | None = None,
+        strip: int = 0,
+    ) -> tuple[list[_LoadTuple], _StoreTuple | None, list[int]]:
+        """Returns ``(loads, store, held_gpu_blocks)``: lazy mode's selected GPU blocks
+        must be kept from reuse until ``complete`` releases them."""
     def request_finished(
         self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int
     ) -> bool: ...
@@ -117,6 +119,7 @@ class Planner:
     def take_events(self) -> list[tuple[Any, ...]]: ...
     def reset(self) -> None: ...
     def has_work_in_flight(self) -> bool: ...
+    def has_pending_plan(self) -> bool: ...
     @property
     def num_requests(self) -> int: ...
     @property

@@ -19,6 +19,10 @@ from kvoffload.vllm_adapter import (
 #: (the same watermark as vLLM's SimpleCPUOffloadConnector).
 LAZY_WATERMARK_STEPS = 2
 
+#: vLLM appends the KV-cache group id (4 bytes) to a GPU block's hash; the planner keys
+#: blocks by the request's own hash, without it.
+GROUP_ID_BYTES = 4
+
 
 class OffloadScheduler:
     """Owns the planner; one Rust call per vLLM call, never one per block."""
@@ -45,7 +49,9 @@ class OffloadScheduler:
         self._events = events
         self._lazy = config.lazy_offload
         self._lazy_limit = LAZY_WATERMARK_STEPS * -(-max_num_batched_tokens // block_size)
-        # The request's own hash list: vLLM extends it in place as blocks fill.
+        # Each request's own hash list, which vLLM extends (and, for streaming sessions,
+        # truncates and regrows) in place; the planner reads it where it needs a hash
+        # and checks it against what it read before.
         self._hash_lists: dict[str, Any] = {}
         self._walker: FreeQueueWalker | None = None
         self._stats = CounterDeltas()
@@ -68,25 +74,22 @@ class OffloadScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         gpu = allocated_block_ids(blocks) if num_external_tokens > 0 else None
-        try:
-            self._planner.on_alloc(
-                request.request_id, gpu, request.num_computed_tokens, num_external_tokens
-            )
-        except KVOffloadError:
-            # A request the planner never looked up (vLLM only asks for requests with no
-            # computed tokens): nothing is offered, nothing to load.
-            if num_external_tokens:
-                raise
+        self._planner.on_alloc(
+            request.request_id, gpu, request.num_computed_tokens, num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         *lists, preempted = scheduled_lists(scheduler_output)
+        lazy_ids = lazy_hashes = None
         if self._lazy and self._walker is not None:
-            ids, hashes = self._walker.candidates(self._lazy_limit)
-            if ids:
-                chosen = self._planner.select_lazy(ids, hashes, 4)
-                if chosen:
-                    self._walker.hold(chosen)
-        loads, store = self._planner.schedule(*lists, self._hash_lists)
+            lazy_ids, lazy_hashes = self._walker.candidates(self._lazy_limit)
+        loads, store, held = self._planner.schedule(
+            *lists, self._hash_lists, lazy_ids, lazy_hashes, GROUP_ID_BYTES
+        )
+        if held and self._walker is not None:
+            self._walker.hold(held)
+        if store is not None:
+            store = store[:4]
         return KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=preempted)
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -13,8 +13,9 @@
 
 use crate::events::{EventBuffer, KvEvent};
 use crate::evict::{EvictionPolicy, Lru};
-use crate::index::{BlockHash, BlockKey, PrefixIndex};
-use crate::pool::{BlockId, BlockPool, BlockState, PoolError};
+use crate::index::PrefixIndex;
+use crate::key::{BlockHash, BlockId, BlockKey};
+use crate::pool::{BlockPool, BlockState, PoolError};
 
 /// CPU-side block bookkeeping of one rank: ids, keys, pins and eviction order.
 ///

@@ -45,6 +45,7 @@ pub enum ConfigError {
 /// These are bugs in the embedding code or malformed input; the planner state is left
 /// unchanged when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum PlanError {
     /// A request id the planner has never seen, or one that already finished.
     #[error("unknown request `{0}`")]
@@ -52,4 +53,12 @@ pub enum PlanError {
     /// A completion names a transfer the planner did not issue or already retired.
     #[error("unknown transfer id {0}")]
     UnknownTransfer(u64),
+    /// A request's block hash could not be read.
+    #[error("request `{req_id}`: {source}")]
+    BadHash {
+        /// The request whose hash list is malformed.
+        req_id: String,
+        /// Which entry, and why.
+        source: crate::planner::HashError,
+    },
 }

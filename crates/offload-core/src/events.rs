@@ -1,6 +1,6 @@
 //! KV events (what entered and left the CPU tier) and the planner's counters.
 
-use crate::index::BlockHash;
+use crate::key::BlockHash;
 
 /// A change to the set of blocks held on CPU, in the shape of vLLM's KV events.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,8 +80,58 @@ impl EventBuffer {
     }
 }
 
+/// Groups blocks published one after another into chained [`KvEvent::Stored`] events:
+/// a block whose parent is the previous block's hash extends the current event.
+#[derive(Debug)]
+pub(crate) struct StoredChain {
+    group: u32,
+    block_size: u32,
+    current: Option<(Vec<BlockHash>, Option<BlockHash>)>,
+}
+
+impl StoredChain {
+    pub(crate) fn new(group: u32, block_size: u32) -> Self {
+        Self {
+            group,
+            block_size,
+            current: None,
+        }
+    }
+
+    /// Adds a published block (`parent`: the hash of the block before it in its request).
+    pub(crate) fn push(
+        &mut self,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        out: &mut EventBuffer,
+    ) {
+        match &mut self.current {
+            Some((hashes, _)) if parent.is_some() && hashes.last().copied() == parent => {
+                hashes.push(hash);
+            }
+            _ => {
+                self.flush(out);
+                self.current = Some((vec![hash], parent));
+            }
+        }
+    }
+
+    /// Emits the chain being built.
+    pub(crate) fn flush(&mut self, out: &mut EventBuffer) {
+        if let Some((hashes, parent)) = self.current.take() {
+            out.push(KvEvent::Stored {
+                group: self.group,
+                hashes,
+                parent,
+                block_size: self.block_size,
+            });
+        }
+    }
+}
+
 /// Monotonic counters of the scheduler-side planner.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PlannerStats {
     /// Prefix lookups answered (cached answers included).
     pub lookups: u64,
@@ -105,6 +155,9 @@ pub struct PlannerStats {
     pub failed_loads: u64,
     /// Store transfers that failed on some rank.
     pub failed_stores: u64,
+    /// Times a request's block hashes were found rewritten (truncated and regrown with
+    /// other content) and the planner forgot what it knew past the common prefix.
+    pub rewritten_hash_lists: u64,
 }
 
 #[cfg(test)]

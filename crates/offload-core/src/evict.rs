@@ -1,6 +1,6 @@
 //! Eviction: which unpinned, published CPU block to reuse next.
 
-use crate::pool::BlockId;
+use crate::key::BlockId;
 
 /// A policy over a fixed slab of block ids.
 ///

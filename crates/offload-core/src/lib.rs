@@ -5,48 +5,57 @@
 //! those blocks in host memory and plans the copies that bring them back.
 //!
 //! It is pure Rust with no Python and no CUDA needed to build or test, so servers other
-//! than vLLM can embed it:
-//! - [`OffloadConfig`] parses and validates the settings;
-//! - [`BlockPool`], [`PrefixIndex`], [`Lru`] and [`BlockCache`] keep CPU blocks keyed by
-//!   the server's own chained block hashes;
-//! - [`Planner`] is the scheduler-side brain: prefix lookups with pinning, load plans,
-//!   eager and lazy store selection, completion accounting across ranks, KV events;
-//! - [`transfer::TransferEngine`] is the worker side: it owns the host memory and copies
-//!   blocks on its own thread.
+//! than vLLM embed it and drive the same protocol the vLLM connector drives:
+//! - [`Planner`] (scheduler side) owns CPU block ids and each request's block hashes.
+//!   Per engine step: [`Planner::lookup`] for waiting requests, [`Planner::on_alloc`]
+//!   for the hit the scheduler accepted, [`Planner::schedule`] with the step's requests
+//!   (it returns the step's [`StepPlan`]), [`Planner::complete_all`] with what workers
+//!   report, [`Planner::request_finished`] when a request ends;
+//! - [`transfer::TransferEngine`] (worker side) owns the host memory and executes each
+//!   plan's [`LoadJob`]s and [`StoreJob`]s on its own copy thread;
+//! - [`OffloadConfig`] parses and validates the settings.
+//!
+//! Hashes are the server's own chained block hashes (block `k`'s hash covers blocks
+//! `0..=k`), read through [`HashSource`] when the planner needs them and checked against
+//! what it read before, so a request whose list is rewritten under the same id is never
+//! served or stored under a stale key.
 //!
 //! ## Example
 //! A server that offloads a finished request's prompt and serves a second request with
-//! the same prefix from CPU:
+//! the same prefix from CPU (`examples/embedded_server.rs` adds the worker side and real
+//! bytes):
 //! ```
-//! use offload_core::{BlockHash, Planner, PlannerConfig};
+//! use offload_core::{BlockHash, Planner, PlannerConfig, ScheduleKind, ScheduledRequest};
 //!
-//! let mut planner = Planner::new(PlannerConfig {
-//!     block_size: 16,
-//!     num_cpu_blocks: 1024,
-//!     events: true,
-//!     ..PlannerConfig::default()
-//! });
+//! let mut planner = Planner::new(PlannerConfig::new(16, 1024).with_events(true));
 //! let prompt: Vec<BlockHash> = (1..=8).map(BlockHash).collect(); // 128 tokens
+//! let new = |req, gpu: &[u32]| ScheduledRequest {
+//!     req_id: req,
+//!     kind: ScheduleKind::New,
+//!     num_computed_tokens: 0,
+//!     gpu_blocks: gpu.to_vec(),
+//!     hashes: &prompt,
+//! };
 //!
 //! // Request "a" runs: nothing on CPU yet, its 8 blocks live in GPU blocks 100..108.
-//! planner.extend_hashes("a", prompt.iter().copied());
-//! assert_eq!(planner.lookup("a", 129, 0)?, 0);
+//! assert_eq!(planner.lookup("a", &prompt, 129, 0)?, 0);
 //! let gpu_a: Vec<u32> = (100..109).collect();
 //! planner.on_alloc("a", &gpu_a, 0, 0)?;
-//! planner.note_scheduled("a", 0, &gpu_a, true)?;
-//! // It finishes; the flush stores all 8 full blocks and vLLM must keep them until done.
-//! assert!(planner.request_finished("a", 128)?);
-//! let store = planner.take_step().store.expect("blocks to store");
+//! assert!(planner.schedule([new("a", &gpu_a)], [])?.is_empty());
+//! // It finishes; the flush stores all 8 full blocks and the server must keep them.
+//! assert!(planner.request_finished("a", &prompt, 128)?);
+//! let store = planner.schedule(Vec::<ScheduledRequest<'_, &Vec<BlockHash>>>::new(), [])?
+//!     .store
+//!     .expect("blocks to store");
 //! assert_eq!(store.gpu_blocks, (100..108).collect::<Vec<_>>());
 //! planner.complete(store.id, true)?; // the worker copied them
 //! assert_eq!(planner.take_completions().finished_sending, vec!["a".to_string()]);
 //!
 //! // Request "b" shares the prompt: 128 tokens come from CPU, only the last is computed.
-//! planner.extend_hashes("b", prompt.iter().copied());
-//! assert_eq!(planner.lookup("b", 129, 0)?, 128);
+//! assert_eq!(planner.lookup("b", &prompt, 129, 0)?, 128);
 //! let gpu_b: Vec<u32> = (200..209).collect();
 //! planner.on_alloc("b", &gpu_b, 0, 128)?;
-//! let load = planner.take_step().loads.remove(0);
+//! let load = planner.schedule([new("b", &gpu_b)], [])?.loads.remove(0);
 //! assert_eq!(load.cpu_blocks, store.cpu_blocks);
 //! planner.complete(load.id, true)?;
 //! assert_eq!(planner.take_completions().finished_recving, vec!["b".to_string()]);
@@ -59,6 +68,7 @@ pub mod error;
 pub mod events;
 pub mod evict;
 pub mod index;
+pub mod key;
 pub mod memory;
 pub mod planner;
 pub mod pool;
@@ -69,6 +79,10 @@ pub use config::{ConfigValue, LoadMode, OffloadConfig, ParsedConfig};
 pub use error::{ConfigError, PlanError};
 pub use events::{EventBuffer, KvEvent, PlannerStats};
 pub use evict::{EvictionPolicy, Lru};
-pub use index::{BlockHash, BlockKey, PrefixIndex};
-pub use planner::{Completions, LoadJob, Planner, PlannerConfig, StepPlan, StoreJob, TransferId};
-pub use pool::{BlockId, BlockPool, BlockState, PoolError};
+pub use index::PrefixIndex;
+pub use key::{BlockHash, BlockId, BlockKey};
+pub use planner::{
+    Completions, HashError, HashSource, LazyCandidate, LoadJob, Planner, PlannerConfig,
+    ScheduleKind, ScheduledRequest, StepPlan, StoreJob, TransferId,
+};
+pub use pool::{BlockPool, BlockState, PoolError};

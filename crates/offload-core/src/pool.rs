@@ -1,9 +1,6 @@
 //! [`BlockPool`]: the fixed set of CPU block ids, their ref counts and the free list.
 
-use crate::index::BlockKey;
-
-/// A CPU block id: an index into the host memory's block slab.
-pub type BlockId = u32;
+use crate::key::{BlockId, BlockKey};
 
 /// Where a CPU block is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +150,7 @@ impl BlockPool {
     }
 
     /// Changes the block's state (the cache drives the transitions).
-    pub fn set_state(&mut self, id: BlockId, state: BlockState) -> Result<(), PoolError> {
+    pub(crate) fn set_state(&mut self, id: BlockId, state: BlockState) -> Result<(), PoolError> {
         self.slot_mut(id)?.state = state;
         Ok(())
     }
@@ -169,7 +166,7 @@ impl BlockPool {
     }
 
     /// Records the key the block is stored under.
-    pub fn set_key(&mut self, id: BlockId, key: BlockKey) -> Result<(), PoolError> {
+    pub(crate) fn set_key(&mut self, id: BlockId, key: BlockKey) -> Result<(), PoolError> {
         self.slot_mut(id)?.key = key;
         Ok(())
     }

@@ -1,9 +1,11 @@
 //! Conversions between Python objects and core types.
 
-use offload_core::{BlockHash, ConfigValue};
+use std::cell::OnceCell;
+
+use offload_core::{BlockHash, ConfigValue, HashError, HashSource};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyString};
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyMapping, PyString};
 
 use crate::errors::INVALID_INPUT_ERROR;
 
@@ -30,18 +32,6 @@ pub(crate) fn config_value(v: &Bound<'_, PyAny>) -> ConfigValue {
             .map_or_else(|_| "unknown".to_string(), |n| n.to_string());
         ConfigValue::Other(name)
     }
-}
-
-/// One vLLM block hash (`bytes`) as a [`BlockHash`].
-pub(crate) fn block_hash(item: &Bound<'_, PyAny>, what: &str, index: usize) -> PyResult<BlockHash> {
-    let bytes = item.cast::<PyBytes>().map_err(|_| {
-        INVALID_INPUT_ERROR.err(format!(
-            "{what}[{index}]: block hash must be bytes, got {}",
-            type_name(item)
-        ))
-    })?;
-    BlockHash::from_bytes(bytes.as_bytes())
-        .ok_or_else(|| INVALID_INPUT_ERROR.err(format!("{what}[{index}]: empty block hash")))
 }
 
 /// The bytes of `list[i]` when it is a `bytes` object, without taking a reference.
@@ -77,37 +67,92 @@ fn list_bytes<'a>(list: &'a Bound<'_, PyList>, i: usize) -> Option<&'a [u8]> {
     }
 }
 
-/// `seq[from..]` as block hashes. Lists (what vLLM keeps) take a fast path.
-pub(crate) fn hashes_from(
-    seq: &Bound<'_, PyAny>,
-    from: usize,
-    what: &str,
-) -> PyResult<Vec<BlockHash>> {
-    if let Ok(list) = seq.cast::<PyList>() {
-        let n = list.len();
-        let mut out = Vec::with_capacity(n.saturating_sub(from));
-        for i in from..n {
-            match list_bytes(list, i) {
-                Some(bytes) => out.push(BlockHash::from_bytes(bytes).ok_or_else(|| {
-                    INVALID_INPUT_ERROR.err(format!("{what}[{i}]: empty block hash"))
-                })?),
-                // Not bytes: the checked path names the type.
-                None => out.push(block_hash(&list.get_item(i)?, what, i)?),
+/// A Python sequence of `bytes` block hashes (vLLM's `request.block_hashes`), read
+/// through [`HashSource`] one entry at a time, as the planner needs them.
+#[derive(Debug)]
+pub(crate) struct PyHashes<'py> {
+    seq: Bound<'py, PyAny>,
+    len: Result<usize, HashError>,
+}
+
+impl<'py> PyHashes<'py> {
+    pub(crate) fn new(seq: Bound<'py, PyAny>) -> Self {
+        let len = match seq.cast::<PyList>() {
+            Ok(list) => Ok(list.len()),
+            Err(_) => seq.len().map_err(|_| HashError {
+                index: 0,
+                reason: format!("expected a sequence of bytes, got {}", type_name(&seq)),
+            }),
+        };
+        Self { seq, len }
+    }
+}
+
+impl HashSource for PyHashes<'_> {
+    fn len(&self) -> Result<usize, HashError> {
+        self.len.clone()
+    }
+
+    fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
+        let bad = |reason: String| HashError { index, reason };
+        if let Ok(list) = self.seq.cast::<PyList>() {
+            if let Some(bytes) = list_bytes(list, index) {
+                return BlockHash::from_bytes(bytes).ok_or_else(|| bad("empty block hash".into()));
             }
         }
-        return Ok(out);
+        // Not a list of bytes: the checked path names what is wrong.
+        let item = self
+            .seq
+            .get_item(index)
+            .map_err(|e| bad(format!("cannot be read: {e}")))?;
+        let bytes = item.cast::<PyBytes>().map_err(|_| {
+            bad(format!(
+                "block hash must be bytes, got {}",
+                type_name(&item)
+            ))
+        })?;
+        BlockHash::from_bytes(bytes.as_bytes()).ok_or_else(|| bad("empty block hash".into()))
     }
-    let n = seq.len().map_err(|_| {
-        INVALID_INPUT_ERROR.err(format!(
-            "{what}: expected a sequence of bytes, got {}",
-            type_name(seq)
-        ))
-    })?;
-    let mut out = Vec::with_capacity(n.saturating_sub(from));
-    for i in from..n {
-        out.push(block_hash(&seq.get_item(i)?, what, i)?);
+}
+
+/// A request's hash list looked up in a `{request_id: block_hashes}` mapping only when
+/// the planner reads it: most running requests of a step need no hash at all.
+#[derive(Debug)]
+pub(crate) struct MappedHashes<'a, 'py> {
+    map: &'a Bound<'py, PyMapping>,
+    req_id: &'a Bound<'py, PyString>,
+    hashes: OnceCell<PyHashes<'py>>,
+}
+
+impl<'a, 'py> MappedHashes<'a, 'py> {
+    pub(crate) fn new(map: &'a Bound<'py, PyMapping>, req_id: &'a Bound<'py, PyString>) -> Self {
+        Self {
+            map,
+            req_id,
+            hashes: OnceCell::new(),
+        }
     }
-    Ok(out)
+
+    fn get(&self) -> &PyHashes<'py> {
+        self.hashes.get_or_init(|| {
+            // A request missing from the mapping has no hashes yet.
+            let seq = self
+                .map
+                .get_item(self.req_id)
+                .unwrap_or_else(|_| PyList::empty(self.map.py()).into_any());
+            PyHashes::new(seq)
+        })
+    }
+}
+
+impl HashSource for MappedHashes<'_, '_> {
+    fn len(&self) -> Result<usize, HashError> {
+        self.get().len()
+    }
+
+    fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
+        self.get().hash(index)
+    }
 }
 
 /// One block id: a non-negative int below 2**32 - 1.

@@ -154,5 +154,7 @@ pub(crate) fn plan_err(e: PlanError) -> PyErr {
     match e {
         PlanError::UnknownRequest(_) => UNKNOWN_REQUEST_ERROR.err(msg),
         PlanError::UnknownTransfer(_) => UNKNOWN_TRANSFER_ERROR.err(msg),
+        PlanError::BadHash { .. } => INVALID_INPUT_ERROR.err(msg),
+        _ => KVOFFLOAD_ERROR.err(msg),
     }
 }

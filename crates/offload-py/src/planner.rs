@@ -1,10 +1,14 @@
-//! The `Planner` class: the scheduler side, one call per vLLM connector call.
+//! The `Planner` class: the scheduler side, one call per vLLM connector call. Every
+//! decision is the core's (`offload_core::Planner`); this file converts.
 
-use offload_core::{BlockKey, KvEvent, Planner, PlannerConfig, StepPlan};
+use offload_core::{
+    BlockHash, BlockKey, KvEvent, LazyCandidate, Planner, PlannerConfig, ScheduleKind,
+    ScheduledRequest, StepPlan,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PyString, PyTuple};
 
-use crate::convert::{block_id, block_ids, count, hashes_from, type_name};
+use crate::convert::{block_id, block_ids, count, type_name, MappedHashes, PyHashes};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR};
 
 /// `(id, req_id, gpu_blocks, cpu_blocks, valid, sync)`; block lists are little-endian u32 bytes.
@@ -16,8 +20,17 @@ type LoadTuple<'py> = (
     bool,
     bool,
 );
-/// `(id, gpu_blocks, cpu_blocks, req_ids)`; block lists are little-endian u32 bytes.
-type StoreTuple<'py> = (u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Vec<String>);
+/// `(id, gpu_blocks, cpu_blocks, req_ids, flush_req_ids)`; block lists are little-endian
+/// u32 bytes.
+type StoreTuple<'py> = (
+    u64,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Vec<String>,
+    Vec<String>,
+);
+/// `(loads, store, held_gpu_blocks)`.
+type StepTuple<'py> = (Vec<LoadTuple<'py>>, Option<StoreTuple<'py>>, Vec<u32>);
 
 /// Scheduler-side planner (see `offload_core::Planner`).
 #[pyclass(module = "kvoffload._native", name = "Planner")]
@@ -34,7 +47,7 @@ pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBy
     PyBytes::new(py, &buf)
 }
 
-fn hash_bytes<'py>(py: Python<'py>, h: offload_core::BlockHash) -> Bound<'py, PyBytes> {
+fn hash_bytes<'py>(py: Python<'py>, h: BlockHash) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &h.0.to_le_bytes())
 }
 
@@ -52,40 +65,43 @@ impl PyPlanner {
         events: bool,
         sync_loads: bool,
     ) -> PyResult<Self> {
-        let pos = |v: i64, what: &str| {
+        let pos = |v: i64, what: &str, min: u32| {
             u32::try_from(v)
                 .ok()
-                .filter(|v| *v > 0 || what == "num_cpu_blocks")
+                .filter(|v| *v >= min)
                 .ok_or_else(|| INVALID_INPUT_ERROR.err(format!("Planner: invalid {what}: {v}")))
         };
+        let cfg = PlannerConfig::new(
+            pos(block_size, "block_size", 1)?,
+            pos(num_cpu_blocks, "num_cpu_blocks", 0)?,
+        )
+        .with_world_size(pos(world_size, "world_size", 1)?)
+        .with_lazy(lazy)
+        .with_events(events)
+        .with_sync_loads(sync_loads);
         Ok(Self {
-            inner: Planner::new(PlannerConfig {
-                block_size: pos(block_size, "block_size")?,
-                num_cpu_blocks: pos(num_cpu_blocks, "num_cpu_blocks")?,
-                world_size: pos(world_size, "world_size")?,
-                lazy,
-                events,
-                sync_loads,
-            }),
+            inner: Planner::new(cfg),
         })
     }
 
     /// Tokens loadable from CPU after the GPU hit; `block_hashes` is the request's
-    /// growing hash list (only entries not seen before are converted).
+    /// hash list (read only where the planner needs it).
     fn lookup(
         &mut self,
         req_id: &str,
-        block_hashes: &Bound<'_, PyAny>,
+        block_hashes: Bound<'_, PyAny>,
         num_tokens: i64,
         num_computed_tokens: i64,
     ) -> PyResult<usize> {
-        let known = self.inner.num_hashes(req_id);
-        let new = hashes_from(block_hashes, known, "block_hashes")?;
         let num_tokens = count(num_tokens, "num_tokens")?;
         let num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")?;
-        self.inner.extend_hashes(req_id, new);
         self.inner
-            .lookup(req_id, num_tokens, num_computed_tokens)
+            .lookup(
+                req_id,
+                &PyHashes::new(block_hashes),
+                num_tokens,
+                num_computed_tokens,
+            )
             .map_err(plan_err)
     }
 
@@ -106,9 +122,16 @@ impl PyPlanner {
     }
 
     /// Records the step's scheduled requests (vLLM's `NewRequestData` fields and
-    /// `CachedRequestData` lists), selects eager stores, and returns
-    /// `(loads, store)` for the workers.
+    /// `CachedRequestData` lists; `hash_lists` maps request ids to their
+    /// `block_hashes`) and, in lazy mode, GPU blocks about to be evicted with their
+    /// hashes (`strip`: trailing bytes to drop from each, vLLM's 4-byte group id).
+    /// Returns `(loads, store, held_gpu_blocks)` for the workers.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (
+        new_req_ids, new_num_computed, new_block_ids, cached_req_ids, cached_num_computed,
+        cached_new_block_ids, resumed_req_ids, hash_lists, lazy_gpu_block_ids = None,
+        lazy_block_hashes = None, strip = 0
+    ))]
     fn schedule<'py>(
         &mut self,
         py: Python<'py>,
@@ -120,39 +143,42 @@ impl PyPlanner {
         cached_new_block_ids: &Bound<'py, PyList>,
         resumed_req_ids: &Bound<'py, PyAny>,
         hash_lists: &Bound<'py, PyMapping>,
-    ) -> PyResult<(Vec<LoadTuple<'py>>, Option<StoreTuple<'py>>)> {
-        if new_req_ids.len() != new_num_computed.len() || new_req_ids.len() != new_block_ids.len() {
-            return Err(INVALID_INPUT_ERROR.err(format!(
-                "schedule: new request lists differ in length ({}, {}, {})",
+        lazy_gpu_block_ids: Option<&Bound<'py, PyList>>,
+        lazy_block_hashes: Option<&Bound<'py, PyList>>,
+        strip: usize,
+    ) -> PyResult<StepTuple<'py>> {
+        same_len(
+            "new request lists",
+            &[
                 new_req_ids.len(),
                 new_num_computed.len(),
-                new_block_ids.len()
-            )));
-        }
-        if cached_req_ids.len() != cached_num_computed.len()
-            || cached_req_ids.len() != cached_new_block_ids.len()
-        {
-            return Err(INVALID_INPUT_ERROR.err(format!(
-                "schedule: cached request lists differ in length ({}, {}, {})",
+                new_block_ids.len(),
+            ],
+        )?;
+        same_len(
+            "cached request lists",
+            &[
                 cached_req_ids.len(),
                 cached_num_computed.len(),
-                cached_new_block_ids.len()
-            )));
-        }
+                cached_new_block_ids.len(),
+            ],
+        )?;
+        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
         // Request ids are borrowed from the Python strings (kept alive in `names`): no
         // allocation per request per step.
         let n = new_req_ids.len() + cached_req_ids.len();
         let mut names: Vec<Bound<'py, PyString>> = Vec::with_capacity(n);
-        let mut rows: Vec<(usize, Vec<u32>, bool)> = Vec::with_capacity(n);
+        let mut rows: Vec<(ScheduleKind, usize, Vec<u32>)> = Vec::with_capacity(n);
         for i in 0..new_req_ids.len() {
             names.push(req_id(new_req_ids.get_item(i)?)?);
             let nct = count(
                 new_num_computed.get_item(i)?.extract()?,
                 "num_computed_tokens",
             )?;
-            rows.push((nct, group0_ids(&new_block_ids.get_item(i)?)?, true));
+            let ids = group0_ids(&new_block_ids.get_item(i)?)?;
+            rows.push((ScheduleKind::New, nct, ids));
         }
-        let resumed_nonempty = resumed_req_ids.len().unwrap_or(0) > 0;
+        let any_resumed = resumed_req_ids.len().unwrap_or(0) > 0;
         for i in 0..cached_req_ids.len() {
             let name = req_id(cached_req_ids.get_item(i)?)?;
             let nct = count(
@@ -160,92 +186,39 @@ impl PyPlanner {
                 "num_computed_tokens",
             )?;
             let ids = group0_ids(&cached_new_block_ids.get_item(i)?)?;
-            let resumed = resumed_nonempty && resumed_req_ids.contains(&name)?;
+            let kind = if any_resumed && resumed_req_ids.contains(&name)? {
+                ScheduleKind::Resumed
+            } else {
+                ScheduleKind::Running
+            };
             names.push(name);
-            rows.push((nct, ids, resumed));
+            rows.push((kind, nct, ids));
         }
-        let strs: Vec<&str> = names.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
-        let inner = &mut self.inner;
-        let wanting = py.detach(|| -> Result<Vec<usize>, offload_core::PlanError> {
-            let mut wanting = Vec::new();
-            for (i, (req, (nct, ids, replace))) in strs.iter().zip(&rows).enumerate() {
-                if inner.note_scheduled(req, *nct, ids, *replace)? {
-                    wanting.push(i);
-                }
-            }
-            Ok(wanting)
-        });
-        // Hashes cross once per block, when a block is first confirmed.
-        for i in wanting.map_err(plan_err)? {
-            if let Some(list) = hash_lists.get_item(&names[i]).ok().filter(|l| !l.is_none()) {
-                let known = self.inner.num_hashes(strs[i]);
-                let new = hashes_from(&list, known, "block_hashes")?;
-                self.inner.extend_hashes(strs[i], new);
-            }
-            self.inner.store_confirmed(strs[i], rows[i].0);
-        }
-        step_to_py(py, self.inner.take_step())
-    }
-
-    /// Lazy mode: GPU blocks about to be evicted (least recently used first) with
-    /// their hashes; returns the GPU ids selected for storing.
-    #[pyo3(signature = (gpu_block_ids, block_hashes, strip = 0))]
-    fn select_lazy(
-        &mut self,
-        gpu_block_ids: &Bound<'_, PyList>,
-        block_hashes: &Bound<'_, PyList>,
-        strip: usize,
-    ) -> PyResult<Vec<u32>> {
-        if gpu_block_ids.len() != block_hashes.len() {
-            return Err(INVALID_INPUT_ERROR.err(format!(
-                "select_lazy: {} block ids but {} hashes",
-                gpu_block_ids.len(),
-                block_hashes.len()
-            )));
-        }
-        let mut cands = Vec::with_capacity(gpu_block_ids.len());
-        for (i, (id, h)) in gpu_block_ids.iter().zip(block_hashes.iter()).enumerate() {
-            // `strip`: trailing bytes to drop (vLLM's 4-byte group id), without a Python
-            // slice per candidate.
-            let b = h
-                .cast::<PyBytes>()
-                .map_err(|_| {
-                    INVALID_INPUT_ERROR.err(format!(
-                        "block_hashes[{i}]: block hash must be bytes, got {}",
-                        type_name(&h)
-                    ))
-                })?
-                .as_bytes();
-            let hash = offload_core::BlockHash::from_bytes(&b[..b.len().saturating_sub(strip)])
-                .ok_or_else(|| INVALID_INPUT_ERROR.err(format!("block_hashes[{i}]: empty")))?;
-            cands.push((block_id(&id, "gpu_block_ids")?, BlockKey::new(0, hash)));
-        }
-        Ok(self.inner.select_lazy(cands))
-    }
-
-    /// Hands over transfers chosen outside `schedule` (lazy stores, finish flushes).
-    fn take_step<'py>(
-        &mut self,
-        py: Python<'py>,
-    ) -> PyResult<(Vec<LoadTuple<'py>>, Option<StoreTuple<'py>>)> {
-        step_to_py(py, self.inner.take_step())
+        let ids: Vec<&str> = names.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
+        let scheduled = rows.into_iter().zip(ids.iter().zip(&names)).map(
+            |((kind, num_computed_tokens, gpu_blocks), (req_id, name))| ScheduledRequest {
+                req_id,
+                kind,
+                num_computed_tokens,
+                gpu_blocks,
+                hashes: MappedHashes::new(hash_lists, name),
+            },
+        );
+        let plan = self.inner.schedule(scheduled, lazy).map_err(plan_err)?;
+        Ok(step_to_py(py, plan))
     }
 
     /// `req_id` finished; returns whether vLLM must keep its GPU blocks.
     fn request_finished(
         &mut self,
         req_id: &str,
-        block_hashes: &Bound<'_, PyAny>,
+        block_hashes: Bound<'_, PyAny>,
         num_computed_tokens: i64,
     ) -> PyResult<bool> {
         let nct = count(num_computed_tokens, "num_computed_tokens")?;
-        let known = self.inner.num_hashes(req_id);
-        if known > 0 {
-            // Only the hashes of blocks filled since the request was last seen cross.
-            let new = hashes_from(block_hashes, known, "block_hashes")?;
-            self.inner.extend_hashes(req_id, new);
-        }
-        self.inner.request_finished(req_id, nct).map_err(plan_err)
+        self.inner
+            .request_finished(req_id, &PyHashes::new(block_hashes), nct)
+            .map_err(plan_err)
     }
 
     /// Applies per-rank reports `(transfer_id, ok)`; returns
@@ -315,6 +288,10 @@ impl PyPlanner {
         self.inner.has_work_in_flight()
     }
 
+    fn has_pending_plan(&self) -> bool {
+        self.inner.has_pending_plan()
+    }
+
     #[getter]
     fn num_requests(&self) -> usize {
         self.inner.num_requests()
@@ -345,6 +322,7 @@ impl PyPlanner {
             ("evicted_blocks", s.evicted_blocks),
             ("failed_loads", s.failed_loads),
             ("failed_stores", s.failed_stores),
+            ("rewritten_hash_lists", s.rewritten_hash_lists),
         ]
     }
 }
@@ -374,10 +352,47 @@ fn group0_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     block_ids(v, "block_ids")
 }
 
-fn step_to_py(
-    py: Python<'_>,
-    plan: StepPlan,
-) -> PyResult<(Vec<LoadTuple<'_>>, Option<StoreTuple<'_>>)> {
+fn same_len(what: &str, lens: &[usize]) -> PyResult<()> {
+    if lens.windows(2).all(|w| w[0] == w[1]) {
+        return Ok(());
+    }
+    Err(INVALID_INPUT_ERROR.err(format!("schedule: {what} differ in length {lens:?}")))
+}
+
+/// Lazy candidates: parallel lists of GPU block ids and their hashes (`bytes`, with
+/// `strip` trailing bytes that are not part of the hash).
+fn lazy_candidates(
+    ids: Option<&Bound<'_, PyList>>,
+    hashes: Option<&Bound<'_, PyList>>,
+    strip: usize,
+) -> PyResult<Vec<LazyCandidate>> {
+    let (Some(ids), Some(hashes)) = (ids, hashes) else {
+        return Ok(Vec::new());
+    };
+    same_len(
+        "lazy_gpu_block_ids and lazy_block_hashes",
+        &[ids.len(), hashes.len()],
+    )?;
+    let mut out = Vec::with_capacity(ids.len());
+    for (i, (id, h)) in ids.iter().zip(hashes.iter()).enumerate() {
+        let b = h
+            .cast::<PyBytes>()
+            .map_err(|_| {
+                INVALID_INPUT_ERROR.err(format!(
+                    "lazy_block_hashes[{i}]: block hash must be bytes, got {}",
+                    type_name(&h)
+                ))
+            })?
+            .as_bytes();
+        let hash = BlockHash::from_bytes(&b[..b.len().saturating_sub(strip)]).ok_or_else(|| {
+            INVALID_INPUT_ERROR.err(format!("lazy_block_hashes[{i}]: empty block hash"))
+        })?;
+        out.push((block_id(&id, "lazy_gpu_block_ids")?, BlockKey::new(0, hash)));
+    }
+    Ok(out)
+}
+
+fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
     let loads = plan
         .loads
         .into_iter()
@@ -398,7 +413,8 @@ fn step_to_py(
             ids_to_bytes(py, &s.gpu_blocks),
             ids_to_bytes(py, &s.cpu_blocks),
             s.req_ids,
+            s.flush_req_ids,
         )
     });
-    Ok((loads, store))
+    (loads, store, plan.held_gpu_blocks)
 }

@@ -1,0 +1,229 @@
+//! The job ledger: transfers issued to workers, their per-rank acknowledgements, and
+//! what retiring one means for CPU blocks, requests and the server.
+
+use std::collections::HashMap;
+
+use crate::error::PlanError;
+use crate::events::StoredChain;
+use crate::key::{BlockId, BuildKeyHasher};
+use crate::pool::BlockState;
+
+use super::request::Report;
+use super::select::StoreEntry;
+use super::types::{StepPlan, StoreJob, TransferId};
+use super::{Planner, GROUP};
+
+#[derive(Debug)]
+pub(super) enum JobKind {
+    Load {
+        req_id: String,
+        blocks: Vec<BlockId>,
+        gpu_blocks: Vec<u32>,
+        sync: bool,
+    },
+    Store {
+        entries: Vec<StoreEntry>,
+        req_ids: Vec<String>,
+        lazy_gpu_blocks: Vec<u32>,
+    },
+}
+
+#[derive(Debug)]
+pub(super) struct Job {
+    kind: JobKind,
+    acks: u32,
+    failed: bool,
+}
+
+impl Job {
+    pub(super) fn new(kind: JobKind, failed: bool) -> Self {
+        Self {
+            kind,
+            acks: 0,
+            failed,
+        }
+    }
+}
+
+/// Transfers issued and not yet retired, by id.
+#[derive(Debug)]
+pub(super) struct Ledger {
+    // Transfer ids are generated here, never by clients: the cheap hasher is safe.
+    jobs: HashMap<TransferId, Job, BuildKeyHasher>,
+    next_id: TransferId,
+}
+
+impl Ledger {
+    pub(super) fn new() -> Self {
+        Self {
+            jobs: HashMap::with_hasher(BuildKeyHasher),
+            next_id: 1,
+        }
+    }
+
+    pub(super) fn next_id(&mut self) -> TransferId {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    pub(super) fn insert(&mut self, id: TransferId, job: Job) {
+        self.jobs.insert(id, job);
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+}
+
+impl Planner {
+    /// Turns the transfers chosen since the previous step into the step's plan.
+    pub(super) fn issue(&mut self, held_gpu_blocks: Vec<u32>) -> StepPlan {
+        let loads = std::mem::take(&mut self.pending_loads);
+        let pending = std::mem::take(&mut self.pending_store);
+        if pending.is_empty() {
+            return StepPlan {
+                loads,
+                store: None,
+                held_gpu_blocks,
+            };
+        }
+        let id = self.ledger.next_id();
+        self.stats.store_blocks += pending.entries.len() as u64;
+        for req in &pending.req_ids {
+            if let Some(r) = self.requests.get_mut(req.as_str()) {
+                r.queued = false;
+            }
+        }
+        let store = StoreJob {
+            id,
+            gpu_blocks: pending.gpu_blocks.clone(),
+            cpu_blocks: pending.entries.iter().map(|e| e.block).collect(),
+            req_ids: pending.req_ids.clone(),
+            flush_req_ids: pending.flush_req_ids,
+        };
+        let lazy_gpu_blocks = if pending.lazy {
+            pending.gpu_blocks
+        } else {
+            Vec::new()
+        };
+        self.ledger.insert(
+            id,
+            Job::new(
+                JobKind::Store {
+                    entries: pending.entries,
+                    req_ids: pending.req_ids,
+                    lazy_gpu_blocks,
+                },
+                false,
+            ),
+        );
+        StepPlan {
+            loads,
+            store: Some(store),
+            held_gpu_blocks,
+        }
+    }
+
+    /// One rank reports transfer `id` done (`ok`) or failed. Once every rank reported,
+    /// the transfer retires: stored blocks are published (or dropped if any rank
+    /// failed), loaded blocks unpinned, and [`Self::take_completions`] says what the
+    /// server must learn.
+    pub fn complete(&mut self, id: TransferId, ok: bool) -> Result<(), PlanError> {
+        let job = self
+            .ledger
+            .jobs
+            .get_mut(&id)
+            .ok_or(PlanError::UnknownTransfer(id))?;
+        job.acks += 1;
+        job.failed |= !ok;
+        if job.acks < self.cfg.world_size {
+            return Ok(());
+        }
+        let Some(job) = self.ledger.jobs.remove(&id) else {
+            return Ok(());
+        };
+        match job.kind {
+            JobKind::Load {
+                req_id,
+                blocks,
+                gpu_blocks,
+                sync,
+            } => {
+                for b in blocks {
+                    let _ = self.cache.unpin(b);
+                }
+                if job.failed {
+                    self.stats.failed_loads += 1;
+                    self.completions.load_error_blocks.extend(gpu_blocks);
+                }
+                if sync {
+                    return Ok(());
+                }
+                match self.requests.get_mut(&req_id) {
+                    Some(r) if r.finished.is_some() => {
+                        r.load_in_flight = false;
+                        self.retire_if_done(&req_id);
+                    }
+                    Some(r) => {
+                        r.load_in_flight = false;
+                        self.completions.finished_recving.push(req_id);
+                    }
+                    None => self.completions.finished_recving.push(req_id),
+                }
+            }
+            JobKind::Store {
+                entries,
+                req_ids,
+                lazy_gpu_blocks,
+            } => {
+                if job.failed {
+                    self.stats.failed_stores += 1;
+                    for e in &entries {
+                        let _ = self.cache.abort(e.block);
+                    }
+                } else {
+                    self.publish(&entries);
+                }
+                self.completions.released_gpu_blocks.extend(lazy_gpu_blocks);
+                for req in &req_ids {
+                    if let Some(r) = self.requests.get_mut(req) {
+                        r.stores_in_flight = r.stores_in_flight.saturating_sub(1);
+                    }
+                    self.retire_if_done(req);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self, entries: &[StoreEntry]) {
+        let mut chain = StoredChain::new(GROUP, self.cfg.block_size);
+        for e in entries {
+            // A block detached by a reset while in flight is released, not published.
+            let published = self.cache.pool().state(e.block) == Some(BlockState::Pending);
+            let _ = self.cache.publish(e.block);
+            if !published {
+                continue;
+            }
+            self.stats.stored_blocks += 1;
+            chain.push(e.hash, e.parent, self.cache.events_mut());
+        }
+        chain.flush(self.cache.events_mut());
+    }
+
+    pub(super) fn retire_if_done(&mut self, req: &str) {
+        let report = match self.requests.get(req) {
+            Some(r) if r.stores_in_flight == 0 && !r.load_in_flight => r.finished,
+            _ => None,
+        };
+        let Some(report) = report else {
+            return;
+        };
+        self.requests.remove(req);
+        match report {
+            Report::Sending => self.completions.finished_sending.push(req.to_string()),
+            Report::Recving => self.completions.finished_recving.push(req.to_string()),
+        }
+    }
+}

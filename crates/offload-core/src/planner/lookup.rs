@@ -1,0 +1,179 @@
+//! Prefix lookups (with pinning) and turning accepted hits into loads.
+
+use crate::error::PlanError;
+use crate::key::BlockKey;
+
+use super::ledger::{Job, JobKind};
+use super::request::Hit;
+use super::types::{HashSource, LoadJob};
+use super::{Planner, GROUP};
+
+impl Planner {
+    /// Tokens of `req` that can be loaded from CPU after its first `num_computed_tokens`
+    /// (its GPU prefix hit), given that the prompt has `num_tokens` tokens and the block
+    /// hashes `hashes`. Creates the request on first use.
+    ///
+    /// The hit is the longest run of consecutive blocks whose stores completed, ends at
+    /// least one token before the end (the last token is always recomputed), and is
+    /// pinned until [`Self::on_alloc`] or [`Self::request_finished`]. Asking again is
+    /// answered from the pinned result unless the GPU hit moved, the request's hashes
+    /// changed, or the index gained the block after it.
+    pub fn lookup<H: HashSource + ?Sized>(
+        &mut self,
+        req: &str,
+        hashes: &H,
+        num_tokens: usize,
+        num_computed_tokens: usize,
+    ) -> Result<usize, PlanError> {
+        let bs = self.block_size();
+        self.stats.lookups += 1;
+        let r = self.requests.entry_ref(req).or_default();
+        if num_computed_tokens % bs != 0 || self.cache.capacity() == 0 {
+            r.release_hit(&mut self.cache);
+            return Ok(0);
+        }
+        let start = num_computed_tokens / bs;
+        let need = num_tokens.saturating_sub(1) / bs;
+        let limit = r
+            .sync(hashes, need, &mut self.cache, &mut self.stats)
+            .map_err(|source| PlanError::BadHash {
+                req_id: req.to_string(),
+                source,
+            })?;
+        if let Some(hit) = &mut r.hit {
+            let end = hit.start + hit.blocks.len();
+            // vLLM asks again every step while the request waits; its GPU hit may have
+            // grown meanwhile. The pinned run stays valid: drop what the GPU now covers
+            // and extend it only if the index gained the blocks after it.
+            if hit.num_tokens == num_tokens && hit.start <= start && start <= end && end <= limit {
+                let covered = start - hit.start;
+                for b in hit.blocks.drain(..covered) {
+                    let _ = self.cache.unpin(b);
+                }
+                hit.start = start;
+                let mut grew = false;
+                for h in &r.hashes[end..limit] {
+                    let Some(b) = self.cache.get_ready(&BlockKey::new(GROUP, *h)) else {
+                        break;
+                    };
+                    // The block is ready, hence in range and pinnable.
+                    let _ = self.cache.pin(b);
+                    hit.blocks.push(b);
+                    grew = true;
+                }
+                if covered == 0 && !grew {
+                    self.stats.cached_lookups += 1;
+                }
+                return Ok(hit.blocks.len() * bs);
+            }
+        }
+        r.release_hit(&mut self.cache);
+        // Probe the whole run first, then pin: independent probes overlap their cache
+        // misses, and the pins then find the lines warm.
+        let mut blocks = Vec::new();
+        for h in &r.hashes[start.min(limit)..limit] {
+            let Some(b) = self.cache.get_ready(&BlockKey::new(GROUP, *h)) else {
+                break;
+            };
+            blocks.push(b);
+        }
+        for &b in &blocks {
+            // The block is ready, hence in range and pinnable.
+            let _ = self.cache.pin(b);
+        }
+        let tokens = blocks.len() * bs;
+        r.hit = Some(Hit {
+            start,
+            num_tokens,
+            blocks,
+        });
+        Ok(tokens)
+    }
+
+    /// The scheduler allocated GPU blocks for `req` and accepted `num_external_tokens`
+    /// of its hit (possibly fewer than offered, possibly none).
+    ///
+    /// `gpu_blocks` are all of the request's GPU block ids, starting at token 0;
+    /// `num_computed_tokens` is its GPU prefix hit, used only when no lookup result is
+    /// pinned (the hit records where it starts). An accepted hit becomes a load in
+    /// the next [`StepPlan`](super::StepPlan); pins on the part not accepted are released.
+    /// A load asked for without a matching pinned hit becomes an invalid [`LoadJob`]
+    /// that workers report failed, so the request is recomputed instead of waiting
+    /// forever. A request never looked up that accepts nothing is not an error.
+    pub fn on_alloc(
+        &mut self,
+        req: &str,
+        gpu_blocks: &[u32],
+        num_computed_tokens: usize,
+        num_external_tokens: usize,
+    ) -> Result<(), PlanError> {
+        let bs = self.block_size();
+        if num_external_tokens == 0 {
+            if let Some(r) = self.requests.get_mut(req) {
+                r.release_hit(&mut self.cache);
+            }
+            return Ok(());
+        }
+        let r = self
+            .requests
+            .get_mut(req)
+            .ok_or_else(|| PlanError::UnknownRequest(req.to_string()))?;
+        let k = num_external_tokens.div_ceil(bs);
+        let (mut hit, start) = match r.hit.take() {
+            Some(hit) => {
+                let start = hit.start;
+                (hit, start)
+            }
+            None => (Hit::default(), num_computed_tokens / bs),
+        };
+        let valid =
+            num_external_tokens % bs == 0 && k <= hit.blocks.len() && start + k <= gpu_blocks.len();
+        let id = self.ledger.next_id();
+        let gpu = gpu_blocks
+            .get(start..(start + k).min(gpu_blocks.len()))
+            .unwrap_or_default()
+            .to_vec();
+        let blocks = if valid {
+            for b in hit.blocks.drain(k..) {
+                let _ = self.cache.unpin(b);
+            }
+            std::mem::take(&mut hit.blocks)
+        } else {
+            log::warn!(
+                "kvoffload: load of {num_external_tokens} tokens for request {req} has no \
+                 matching CPU hit; reporting it failed so it is recomputed"
+            );
+            for b in hit.blocks.drain(..) {
+                let _ = self.cache.unpin(b);
+            }
+            Vec::new()
+        };
+        self.stats.hit_tokens += num_external_tokens as u64;
+        self.stats.load_blocks += blocks.len() as u64;
+        let sync = self.cfg.sync_loads;
+        // A synchronous load is over before the request's forward pass: the server never
+        // waits on it, so it is not the request's business after this step.
+        r.load_in_flight = !sync;
+        self.pending_loads.push(LoadJob {
+            id,
+            req_id: req.to_string(),
+            gpu_blocks: gpu.clone(),
+            cpu_blocks: blocks.clone(),
+            valid,
+            sync,
+        });
+        self.ledger.insert(
+            id,
+            Job::new(
+                JobKind::Load {
+                    req_id: req.to_string(),
+                    blocks,
+                    gpu_blocks: gpu,
+                    sync,
+                },
+                !valid,
+            ),
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,317 @@
+//! [`Planner`]: the scheduler-side brain and the crate's step protocol. It owns CPU block
+//! ids (never bytes) and each request's block hashes, answers prefix lookups, turns
+//! accepted hits into loads, selects blocks to store (eager or lazy), and applies the
+//! completions that workers report.
+//!
+//! One call per server call, in this order within an engine step:
+//! 1. [`Planner::lookup`] for waiting requests (any number of times; hits are pinned until
+//!    the load completes or the request is dropped);
+//! 2. [`Planner::on_alloc`] once the scheduler accepted some of the hit;
+//! 3. [`Planner::schedule`] with the step's scheduled requests (and, in lazy mode, GPU
+//!    blocks about to be evicted): returns the [`StepPlan`] for the workers;
+//! 4. [`Planner::complete_all`] as ranks report transfers done, then
+//!    [`Planner::take_completions`];
+//! 5. [`Planner::request_finished`] when a request ends (its last full blocks are
+//!    flushed to CPU in the next plan).
+//!
+//! Hashes are read through [`HashSource`] at the moment they are used, and checked
+//! against what the planner read before: a list the server truncated and regrew with
+//! other content (vLLM's streaming sessions) never leads to a store or a hit under a key
+//! whose content changed.
+
+mod ledger;
+mod lookup;
+mod request;
+mod select;
+mod types;
+
+use foldhash::fast::RandomState;
+use hashbrown::HashMap;
+
+use crate::cache::BlockCache;
+use crate::error::PlanError;
+use crate::events::{KvEvent, PlannerStats};
+
+use ledger::Ledger;
+use request::{Report, Request};
+use select::{select_eager, select_lazy, PendingStore};
+
+pub use types::{
+    Completions, HashError, HashSource, LazyCandidate, LoadJob, PlannerConfig, ScheduleKind,
+    ScheduledRequest, StepPlan, StoreJob, TransferId,
+};
+
+/// The KV-cache group the planner works on. vLLM puts every layer of a full-attention
+/// model into one group; models with several groups are rejected by the connector.
+const GROUP: u32 = 0;
+
+/// The scheduler-side planner of one engine.
+///
+/// # Examples
+/// A request computes a 64-token prompt; eager mode stores its 4 blocks, and a second
+/// request with the same prefix loads them instead of recomputing:
+/// ```
+/// use offload_core::{BlockHash, Planner, PlannerConfig, ScheduleKind, ScheduledRequest};
+///
+/// let mut planner = Planner::new(PlannerConfig::new(16, 64));
+/// let hashes: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
+/// let step = |req, kind, computed, gpu: &[u32]| ScheduledRequest {
+///     req_id: req,
+///     kind,
+///     num_computed_tokens: computed,
+///     gpu_blocks: gpu.to_vec(),
+///     hashes: &hashes,
+/// };
+///
+/// assert_eq!(planner.lookup("a", &hashes, 65, 0)?, 0);
+/// planner.on_alloc("a", &[10, 11, 12, 13, 14], 0, 0)?;
+/// planner.schedule([step("a", ScheduleKind::New, 0, &[10, 11, 12, 13, 14])], [])?;
+/// // Next step: the 64 prompt tokens are computed, so their blocks are stored.
+/// let plan = planner.schedule([step("a", ScheduleKind::Running, 64, &[])], [])?;
+/// let store = plan.store.expect("the prompt's blocks");
+/// assert_eq!(store.gpu_blocks, vec![10, 11, 12, 13]);
+/// planner.complete(store.id, true)?;
+///
+/// assert_eq!(planner.lookup("b", &hashes, 65, 0)?, 64);
+/// planner.on_alloc("b", &[20, 21, 22, 23, 24], 0, 64)?;
+/// let plan = planner.schedule([step("b", ScheduleKind::New, 0, &[20, 21, 22, 23, 24])], [])?;
+/// assert_eq!(plan.loads[0].gpu_blocks, vec![20, 21, 22, 23]);
+/// assert_eq!(plan.loads[0].cpu_blocks, store.cpu_blocks);
+/// # Ok::<(), offload_core::PlanError>(())
+/// ```
+#[derive(Debug)]
+pub struct Planner {
+    cfg: PlannerConfig,
+    cache: BlockCache,
+    // Request ids can be chosen by clients (an HTTP `X-Request-Id`): a keyed hasher
+    // keeps crafted ids from degrading the map.
+    requests: HashMap<String, Request, RandomState>,
+    ledger: Ledger,
+    pending_loads: Vec<LoadJob>,
+    pending_store: PendingStore,
+    completions: Completions,
+    stats: PlannerStats,
+}
+
+impl Planner {
+    /// A planner with an empty CPU pool of `cfg.num_cpu_blocks` blocks.
+    pub fn new(cfg: PlannerConfig) -> Self {
+        let cfg = PlannerConfig::new(cfg.block_size, cfg.num_cpu_blocks)
+            .with_world_size(cfg.world_size)
+            .with_lazy(cfg.lazy)
+            .with_events(cfg.events)
+            .with_sync_loads(cfg.sync_loads);
+        Self {
+            cache: BlockCache::new(cfg.num_cpu_blocks, cfg.events),
+            cfg,
+            requests: HashMap::with_hasher(RandomState::default()),
+            ledger: Ledger::new(),
+            pending_loads: Vec::new(),
+            pending_store: PendingStore::default(),
+            completions: Completions::default(),
+            stats: PlannerStats::default(),
+        }
+    }
+
+    /// The planner's configuration.
+    pub fn config(&self) -> &PlannerConfig {
+        &self.cfg
+    }
+
+    /// The CPU block cache, read-only (for stats and tests).
+    pub fn cache(&self) -> &BlockCache {
+        &self.cache
+    }
+
+    /// Counters since construction.
+    pub fn stats(&self) -> PlannerStats {
+        PlannerStats {
+            evicted_blocks: self.cache.evicted(),
+            ..self.stats
+        }
+    }
+
+    /// Records the step's scheduled requests and returns what workers must do.
+    ///
+    /// New and resumed requests bring their whole GPU block table; running ones the
+    /// blocks added this step. In eager mode every block confirmed by
+    /// `num_computed_tokens` that is not on CPU or in flight is stored; a new or resumed
+    /// request's computed tokens are its GPU prefix hit, which may name blocks another
+    /// request computes in this very step (vLLM hashes blocks when it allocates them), so
+    /// they are confirmed from its next step on. In lazy mode, `lazy_candidates` (GPU
+    /// blocks about to be evicted, least recently used first) are stored instead, and
+    /// the plan's `held_gpu_blocks` says which ones the caller must keep.
+    ///
+    /// Hashes are read only for requests with newly confirmed blocks. A hash that cannot
+    /// be read is an error naming it; the other requests of the step are recorded, and
+    /// their stores are handed out with the next plan.
+    pub fn schedule<'a, H: HashSource>(
+        &mut self,
+        scheduled: impl IntoIterator<Item = ScheduledRequest<'a, H>>,
+        lazy_candidates: impl IntoIterator<Item = LazyCandidate>,
+    ) -> Result<StepPlan, PlanError> {
+        let bs = self.block_size();
+        let mut first_err = None;
+        for s in scheduled {
+            let r = self.requests.entry_ref(s.req_id).or_default();
+            if s.kind == ScheduleKind::Running {
+                r.gpu_blocks.extend_from_slice(&s.gpu_blocks);
+            } else {
+                r.gpu_blocks = s.gpu_blocks;
+                continue;
+            }
+            let confirmed = s.num_computed_tokens / bs;
+            if self.cfg.lazy || confirmed <= r.stored_upto {
+                continue;
+            }
+            match r.sync(&s.hashes, confirmed, &mut self.cache, &mut self.stats) {
+                Ok(usable) => {
+                    select_eager(
+                        s.req_id,
+                        r,
+                        usable,
+                        &mut self.cache,
+                        &mut self.pending_store,
+                        &mut self.stats,
+                    );
+                }
+                Err(e) => {
+                    first_err.get_or_insert(PlanError::BadHash {
+                        req_id: s.req_id.to_string(),
+                        source: e,
+                    });
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let held = if self.cfg.lazy {
+            select_lazy(
+                lazy_candidates,
+                &mut self.cache,
+                &mut self.pending_store,
+                &mut self.stats,
+            )
+        } else {
+            Vec::new()
+        };
+        Ok(self.issue(held))
+    }
+
+    /// `req` finished with `num_computed_tokens` computed and block hashes `hashes`. In
+    /// eager mode its remaining full blocks are flushed to CPU with the next plan.
+    /// Returns whether the server must keep its GPU blocks until
+    /// [`Completions::finished_sending`] names it (a transfer still uses them).
+    ///
+    /// A hash that cannot be read is reported after the request is finished without its
+    /// flush, so the planner stays consistent.
+    pub fn request_finished<H: HashSource + ?Sized>(
+        &mut self,
+        req: &str,
+        hashes: &H,
+        num_computed_tokens: usize,
+    ) -> Result<bool, PlanError> {
+        let bs = self.block_size();
+        let Some(r) = self.requests.get_mut(req) else {
+            return Ok(false);
+        };
+        let confirmed = num_computed_tokens / bs;
+        let mut err = None;
+        if !self.cfg.lazy && confirmed > r.stored_upto {
+            match r.sync(hashes, confirmed, &mut self.cache, &mut self.stats) {
+                Ok(usable) => {
+                    if select_eager(
+                        req,
+                        r,
+                        usable,
+                        &mut self.cache,
+                        &mut self.pending_store,
+                        &mut self.stats,
+                    ) {
+                        self.pending_store.flush_req_ids.push(req.to_string());
+                    }
+                }
+                Err(e) => {
+                    err = Some(PlanError::BadHash {
+                        req_id: req.to_string(),
+                        source: e,
+                    });
+                }
+            }
+        }
+        r.release_hit(&mut self.cache);
+        let keep = if r.load_in_flight {
+            // vLLM keeps the blocks of a request aborted while loading until
+            // `finished_recving`; that report waits for its stores too.
+            r.finished = Some(Report::Recving);
+            false
+        } else if r.stores_in_flight > 0 {
+            r.finished = Some(Report::Sending);
+            true
+        } else {
+            self.requests.remove(req);
+            false
+        };
+        err.map_or(Ok(keep), Err)
+    }
+
+    /// [`Self::complete`] for each `(id, ok)` report; every report is applied even when
+    /// one names an unknown transfer, and the first such error is returned.
+    pub fn complete_all(
+        &mut self,
+        reports: impl IntoIterator<Item = (TransferId, bool)>,
+    ) -> Result<(), PlanError> {
+        let mut first_err = None;
+        for (id, ok) in reports {
+            if let Err(e) = self.complete(id, ok) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Takes what retired transfers mean for the server since the previous call.
+    pub fn take_completions(&mut self) -> Completions {
+        std::mem::take(&mut self.completions)
+    }
+
+    /// Takes the buffered KV events.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.cache.drain_events()
+    }
+
+    /// Drops every CPU block and every pinned lookup result. Transfers in flight finish,
+    /// but nothing stored before the reset is served after it.
+    pub fn reset(&mut self) {
+        for r in self.requests.values_mut() {
+            // Keep where each pinned hit started, so a load the server still asks for is
+            // reported failed against the right GPU blocks.
+            if let Some(hit) = &mut r.hit {
+                for b in hit.blocks.drain(..) {
+                    let _ = self.cache.unpin(b);
+                }
+            }
+        }
+        self.cache.clear();
+    }
+
+    /// Whether any transfer is issued but not retired, or chosen but not yet issued.
+    pub fn has_work_in_flight(&self) -> bool {
+        !self.ledger.is_empty() || !self.pending_loads.is_empty() || !self.pending_store.is_empty()
+    }
+
+    /// Whether transfers were chosen that the next [`Self::schedule`] hands out.
+    pub fn has_pending_plan(&self) -> bool {
+        !self.pending_loads.is_empty() || !self.pending_store.is_empty()
+    }
+
+    /// Number of requests the planner tracks.
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    fn block_size(&self) -> usize {
+        self.cfg.block_size as usize
+    }
+}

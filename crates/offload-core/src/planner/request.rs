@@ -1,0 +1,114 @@
+//! Per-request state of the planner, and the check that keeps its copy of a request's
+//! block hashes true to the server's list.
+
+use crate::cache::BlockCache;
+use crate::events::PlannerStats;
+use crate::key::{BlockHash, BlockId};
+
+use super::types::{HashError, HashSource};
+
+/// A pinned lookup result: CPU blocks for the request's blocks `start..start + len`.
+#[derive(Debug, Default)]
+pub(super) struct Hit {
+    pub(super) start: usize,
+    pub(super) num_tokens: usize,
+    pub(super) blocks: Vec<BlockId>,
+}
+
+/// How a finished request with transfers in flight is handed back to the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Report {
+    /// `request_finished` returned `true`: the server frees the blocks on
+    /// `finished_sending`.
+    Sending,
+    /// It finished while its load ran: the server delays the free itself until
+    /// `finished_recving` names it.
+    Recving,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Request {
+    /// A prefix of the server's hash list, as of the last check (see [`Self::sync`]).
+    pub(super) hashes: Vec<BlockHash>,
+    pub(super) gpu_blocks: Vec<u32>,
+    /// Blocks before this index were considered for storing already.
+    pub(super) stored_upto: usize,
+    pub(super) hit: Option<Hit>,
+    pub(super) stores_in_flight: u32,
+    pub(super) load_in_flight: bool,
+    /// `request_finished` was called; report it this way once nothing is in flight.
+    pub(super) finished: Option<Report>,
+    /// Part of the store job being assembled for the next step.
+    pub(super) queued: bool,
+}
+
+impl Request {
+    /// Makes the first `min(need, src.len())` known hashes equal to the source's, reading
+    /// only what is new or needed to prove the rest unchanged; returns how many are
+    /// usable (`min(need, src.len())`).
+    ///
+    /// The server may have truncated and regrown its list since the planner last read it
+    /// (vLLM streaming sessions do, under one request id). The length alone cannot tell:
+    /// the entry at the last position about to be used is compared, and because hashes
+    /// are chained one equal entry vouches for all before it. On a difference, everything
+    /// past the common prefix is forgotten: what was considered for storing, and the
+    /// pinned hit, so nothing is stored or served under a key whose content changed.
+    pub(super) fn sync<H: HashSource + ?Sized>(
+        &mut self,
+        src: &H,
+        need: usize,
+        cache: &mut BlockCache,
+        stats: &mut PlannerStats,
+    ) -> Result<usize, HashError> {
+        let len = src.len()?;
+        let want = need.min(len);
+        let known = self.hashes.len();
+        // The entry that proves the known prefix still holds: the last one to be used,
+        // or the last one known when the list must be extended.
+        let check = want.min(known);
+        if check > 0 && src.hash(check - 1)? != self.hashes[check - 1] {
+            let mut common = check - 1;
+            while common > 0 && src.hash(common - 1)? != self.hashes[common - 1] {
+                common -= 1;
+            }
+            self.forget_from(common, cache);
+            stats.rewritten_hash_lists += 1;
+        } else if known > len {
+            // Shortened without a visible change to what is left: the dropped entries
+            // may come back with other content.
+            self.forget_from(len, cache);
+        }
+        for i in self.hashes.len()..want {
+            self.hashes.push(src.hash(i)?);
+        }
+        Ok(want)
+    }
+
+    /// Drops what the planner knew about blocks `from..`.
+    fn forget_from(&mut self, from: usize, cache: &mut BlockCache) {
+        log::debug!(
+            "kvoffload: request's block hashes changed from block {from} on; forgetting {} \
+             known hashes",
+            self.hashes.len() - from
+        );
+        self.hashes.truncate(from);
+        self.stored_upto = self.stored_upto.min(from);
+        if self
+            .hit
+            .as_ref()
+            .is_some_and(|h| h.start + h.blocks.len() > from)
+        {
+            self.release_hit(cache);
+        }
+    }
+
+    /// Unpins the pinned lookup result, if any.
+    pub(super) fn release_hit(&mut self, cache: &mut BlockCache) {
+        if let Some(hit) = self.hit.take() {
+            for b in hit.blocks {
+                // Pinned by the lookup, so in range and pinned.
+                let _ = cache.unpin(b);
+            }
+        }
+    }
+}

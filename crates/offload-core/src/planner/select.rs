@@ -1,0 +1,115 @@
+//! Which GPU blocks to store: eager (every newly confirmed block of a running request)
+//! and lazy (blocks about to be evicted from the GPU).
+
+use crate::cache::BlockCache;
+use crate::events::PlannerStats;
+use crate::key::{BlockHash, BlockId, BlockKey};
+
+use super::request::Request;
+use super::types::LazyCandidate;
+use super::GROUP;
+
+/// One block of the store job being assembled.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StoreEntry {
+    pub(super) block: BlockId,
+    pub(super) hash: BlockHash,
+    pub(super) parent: Option<BlockHash>,
+}
+
+/// The store job being assembled for the next step.
+#[derive(Debug, Default)]
+pub(super) struct PendingStore {
+    pub(super) entries: Vec<StoreEntry>,
+    pub(super) gpu_blocks: Vec<u32>,
+    pub(super) req_ids: Vec<String>,
+    pub(super) flush_req_ids: Vec<String>,
+    pub(super) lazy: bool,
+}
+
+impl PendingStore {
+    pub(super) fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// Selects `r`'s blocks `stored_upto..confirmed` that are neither on CPU nor in flight
+/// into the store job being assembled. The caller synced `r.hashes` up to `confirmed`
+/// just before. Returns whether `r` now has a store in the pending job.
+pub(super) fn select_eager(
+    req: &str,
+    r: &mut Request,
+    confirmed: usize,
+    cache: &mut BlockCache,
+    pending: &mut PendingStore,
+    stats: &mut PlannerStats,
+) -> bool {
+    let confirmed = confirmed.min(r.hashes.len()).min(r.gpu_blocks.len());
+    if confirmed <= r.stored_upto {
+        return r.queued;
+    }
+    let mut selected = false;
+    for i in r.stored_upto..confirmed {
+        let key = BlockKey::new(GROUP, r.hashes[i]);
+        if cache.contains(&key) {
+            stats.dedup_skipped += 1;
+            continue;
+        }
+        match cache.reserve(key) {
+            Some(block) => {
+                pending.entries.push(StoreEntry {
+                    block,
+                    hash: r.hashes[i],
+                    parent: i.checked_sub(1).map(|p| r.hashes[p]),
+                });
+                pending.gpu_blocks.push(r.gpu_blocks[i]);
+                selected = true;
+            }
+            None => {
+                // Every CPU block is pinned or in flight; the rest would not fit either.
+                stats.no_space_skipped += (confirmed - i) as u64;
+                break;
+            }
+        }
+    }
+    r.stored_upto = confirmed;
+    // A request selected twice in one step (scheduled, then finished) joins the step's
+    // store job once; its in-flight count is per job.
+    if selected && !r.queued {
+        r.queued = true;
+        r.stores_in_flight += 1;
+        pending.req_ids.push(req.to_string());
+    }
+    r.queued
+}
+
+/// Lazy mode: considers GPU blocks about to be evicted, in the order given (least
+/// recently used first), and selects those not on CPU or in flight. Returns the
+/// selected GPU block ids.
+pub(super) fn select_lazy(
+    candidates: impl IntoIterator<Item = LazyCandidate>,
+    cache: &mut BlockCache,
+    pending: &mut PendingStore,
+    stats: &mut PlannerStats,
+) -> Vec<u32> {
+    let mut chosen = Vec::new();
+    for (gpu, key) in candidates {
+        if cache.contains(&key) {
+            stats.dedup_skipped += 1;
+            continue;
+        }
+        let Some(block) = cache.reserve(key) else {
+            stats.no_space_skipped += 1;
+            break;
+        };
+        pending.entries.push(StoreEntry {
+            block,
+            hash: key.hash,
+            parent: None,
+        });
+        pending.gpu_blocks.push(gpu);
+        pending.lazy = true;
+        chosen.push(gpu);
+    }
+    chosen
+}

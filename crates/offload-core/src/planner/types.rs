@@ -1,0 +1,248 @@
+//! What goes into and comes out of the [`Planner`](super::Planner): its configuration,
+//! the per-step input, and the plan and completions it hands back.
+
+use crate::key::{BlockHash, BlockId, BlockKey};
+
+/// Identifies one transfer (one load of a request, or one step's stores).
+pub type TransferId = u64;
+
+/// Geometry and mode of a planner.
+///
+/// # Examples
+/// ```
+/// use offload_core::PlannerConfig;
+///
+/// let cfg = PlannerConfig::new(16, 1024).with_world_size(2).with_lazy(true);
+/// assert_eq!(cfg.world_size, 2);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PlannerConfig {
+    /// Tokens per KV block (the size the server hashes blocks at).
+    pub block_size: u32,
+    /// CPU blocks available on every rank (the minimum across ranks).
+    pub num_cpu_blocks: u32,
+    /// Ranks that must report a transfer before it is retired.
+    pub world_size: u32,
+    /// Lazy mode: stores come only from the step's lazy candidates.
+    pub lazy: bool,
+    /// Buffer KV events for [`Planner::take_events`](super::Planner::take_events).
+    pub events: bool,
+    /// Loads complete within the step that needs them (workers wait before the forward
+    /// pass), instead of the request waiting a step for an asynchronous load. Cheaper
+    /// when KV lives in host memory (vLLM's CPU backend); GPUs overlap async loads.
+    pub sync_loads: bool,
+}
+
+impl PlannerConfig {
+    /// Eager mode, one rank, no events, asynchronous loads. Zero sizes are raised to 1
+    /// block size (a zero CPU pool is valid: the planner then never stores).
+    pub fn new(block_size: u32, num_cpu_blocks: u32) -> Self {
+        Self {
+            block_size: block_size.max(1),
+            num_cpu_blocks,
+            world_size: 1,
+            lazy: false,
+            events: false,
+            sync_loads: false,
+        }
+    }
+
+    /// Ranks that report every transfer (at least 1).
+    #[must_use]
+    pub fn with_world_size(mut self, world_size: u32) -> Self {
+        self.world_size = world_size.max(1);
+        self
+    }
+
+    /// Lazy (`true`) or eager store selection.
+    #[must_use]
+    pub fn with_lazy(mut self, lazy: bool) -> Self {
+        self.lazy = lazy;
+        self
+    }
+
+    /// Whether KV events are buffered.
+    #[must_use]
+    pub fn with_events(mut self, events: bool) -> Self {
+        self.events = events;
+        self
+    }
+
+    /// Whether loads finish within the step that needs them.
+    #[must_use]
+    pub fn with_sync_loads(mut self, sync_loads: bool) -> Self {
+        self.sync_loads = sync_loads;
+        self
+    }
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        Self::new(16, 0)
+    }
+}
+
+/// A hash that could not be read from a [`HashSource`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("block_hashes[{index}]: {reason}")]
+pub struct HashError {
+    /// Position of the bad entry.
+    pub index: usize,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+/// A request's block hashes as the server holds them, read on demand.
+///
+/// The server owns the list and may rewrite it under the same request id (vLLM's
+/// streaming-input sessions truncate it and regrow it with new content). The planner
+/// keeps its own copy of the entries it used and compares it with the source at the last
+/// position it is about to rely on before every use; hashes are chained (entry `k`
+/// covers blocks `0..=k`), so one equal entry vouches for every entry before it.
+/// Implementations only convert: `hash` is called for the few positions the planner
+/// needs, never for the whole list on every step.
+pub trait HashSource {
+    /// Number of hashes (full blocks) the request has now, or why the list cannot be
+    /// read at all.
+    fn len(&self) -> Result<usize, HashError>;
+
+    /// The hash at `index` (below [`Self::len`]).
+    fn hash(&self, index: usize) -> Result<BlockHash, HashError>;
+}
+
+impl HashSource for [BlockHash] {
+    fn len(&self) -> Result<usize, HashError> {
+        Ok(<[BlockHash]>::len(self))
+    }
+
+    fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
+        self.get(index).copied().ok_or_else(|| HashError {
+            index,
+            reason: "out of range".into(),
+        })
+    }
+}
+
+impl HashSource for Vec<BlockHash> {
+    fn len(&self) -> Result<usize, HashError> {
+        Ok(self.as_slice().len())
+    }
+
+    fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
+        self.as_slice().hash(index)
+    }
+}
+
+impl<H: HashSource + ?Sized> HashSource for &H {
+    fn len(&self) -> Result<usize, HashError> {
+        (**self).len()
+    }
+
+    fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
+        (**self).hash(index)
+    }
+}
+
+/// How a request appears in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ScheduleKind {
+    /// First scheduled: `gpu_blocks` is its whole block table.
+    New,
+    /// Scheduled again after a preemption: `gpu_blocks` is its whole new block table.
+    Resumed,
+    /// Was running in the previous step: `gpu_blocks` are the blocks added this step.
+    Running,
+}
+
+/// One scheduled request of a step.
+#[derive(Debug, Clone)]
+pub struct ScheduledRequest<'a, H> {
+    /// The request id.
+    pub req_id: &'a str,
+    /// New, resumed or running.
+    pub kind: ScheduleKind,
+    /// Tokens computed before this step (their KV is in GPU memory by the time the
+    /// step's forward pass ran).
+    pub num_computed_tokens: usize,
+    /// GPU block ids: the whole table (new, resumed) or the blocks added (running).
+    pub gpu_blocks: Vec<u32>,
+    /// The request's block hashes.
+    pub hashes: H,
+}
+
+/// A copy from CPU blocks into a request's GPU blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LoadJob {
+    /// The transfer id workers report back.
+    pub id: TransferId,
+    /// The request being loaded.
+    pub req_id: String,
+    /// Destination GPU blocks.
+    pub gpu_blocks: Vec<u32>,
+    /// Source CPU blocks, pairwise with `gpu_blocks`.
+    pub cpu_blocks: Vec<BlockId>,
+    /// `false` when the scheduler asked for a load the planner had no hit for: workers
+    /// must report it failed (so the server recomputes), never wait for it.
+    pub valid: bool,
+    /// The request runs in this step: workers finish the load before the forward pass.
+    pub sync: bool,
+}
+
+/// A copy from GPU blocks into CPU blocks, one per step.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct StoreJob {
+    /// The transfer id workers report back.
+    pub id: TransferId,
+    /// Source GPU blocks.
+    pub gpu_blocks: Vec<u32>,
+    /// Destination CPU blocks, pairwise with `gpu_blocks`.
+    pub cpu_blocks: Vec<BlockId>,
+    /// Requests whose blocks are read (a worker fences on these when one is preempted).
+    pub req_ids: Vec<String>,
+    /// Requests that finished and whose GPU blocks wait for this copy: workers whose KV
+    /// lives in host memory finish it within the step, so an idle engine holds nothing.
+    pub flush_req_ids: Vec<String>,
+}
+
+/// What workers must do this step.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct StepPlan {
+    /// Loads accepted since the previous step.
+    pub loads: Vec<LoadJob>,
+    /// Stores selected since the previous step.
+    pub store: Option<StoreJob>,
+    /// Lazy mode: GPU blocks selected from the step's candidates. The caller keeps them
+    /// from being reused until they come back in [`Completions::released_gpu_blocks`].
+    pub held_gpu_blocks: Vec<u32>,
+}
+
+impl StepPlan {
+    /// Whether the step moves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.loads.is_empty() && self.store.is_none()
+    }
+}
+
+/// What retired transfers mean for the server.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct Completions {
+    /// Finished requests whose GPU blocks may now be freed (their `request_finished`
+    /// returned `true`).
+    pub finished_sending: Vec<String>,
+    /// Requests whose load retired (successfully or not); they may now run.
+    pub finished_recving: Vec<String>,
+    /// GPU blocks of failed loads: the server must recompute them.
+    pub load_error_blocks: Vec<u32>,
+    /// GPU blocks of lazy stores that retired: the caller held them when they were
+    /// selected and must now release them.
+    pub released_gpu_blocks: Vec<u32>,
+}
+
+/// A lazy-mode candidate: a GPU block about to be evicted and the key of its content.
+pub type LazyCandidate = (u32, BlockKey);
