@@ -24,7 +24,10 @@ use std::time::{Duration, Instant};
 
 use common::Rng;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use offload_core::{BlockHash, BlockKey, Planner, PlannerConfig, TransferId};
+use offload_core::{
+    BlockHash, BlockKey, Planner, PlannerConfig, ScheduleKind, ScheduledRequest, StepPlan,
+    TransferId,
+};
 
 const BS: usize = 16;
 const CPU_BLOCKS: u32 = 48_505;
@@ -34,14 +37,41 @@ const RUNNING: [usize; 3] = [64, 256, 1024];
 const BLOCKS: usize = 128;
 
 fn planner(lazy: bool) -> Planner {
-    Planner::new(PlannerConfig {
-        block_size: BS as u32,
-        num_cpu_blocks: CPU_BLOCKS,
-        world_size: 1,
-        lazy,
-        events: false,
-        sync_loads: false,
-    })
+    Planner::new(PlannerConfig::new(BS as u32, CPU_BLOCKS).with_lazy(lazy))
+}
+
+fn sched<'a>(
+    req_id: &'a str,
+    kind: ScheduleKind,
+    num_computed_tokens: usize,
+    gpu_blocks: &[u32],
+    hashes: &'a [BlockHash],
+) -> ScheduledRequest<'a, &'a [BlockHash]> {
+    ScheduledRequest {
+        req_id,
+        kind,
+        num_computed_tokens,
+        gpu_blocks: gpu_blocks.to_vec(),
+        hashes,
+    }
+}
+
+/// A step with no scheduled request: hands out what was chosen outside a step.
+fn idle_step(p: &mut Planner) -> StepPlan {
+    p.schedule(Vec::<ScheduledRequest<'_, &[BlockHash]>>::new(), [])
+        .expect("schedule")
+}
+
+/// Runs `req` with `hashes` through its first step and the step that confirms
+/// `computed` tokens; returns the second step's plan.
+fn run(p: &mut Planner, req: &str, hashes: &[BlockHash], gpu: &[u32], computed: usize) -> StepPlan {
+    p.schedule([sched(req, ScheduleKind::New, 0, gpu, hashes)], [])
+        .expect("schedule");
+    p.schedule(
+        [sched(req, ScheduleKind::Running, computed, &[], hashes)],
+        [],
+    )
+    .expect("schedule")
 }
 
 /// Fills the whole CPU pool with published blocks of one finished request, so the
@@ -49,14 +79,13 @@ fn planner(lazy: bool) -> Planner {
 fn fill(p: &mut Planner, rng: &mut Rng) {
     let n = CPU_BLOCKS as usize;
     let gpu: Vec<u32> = (0..n as u32).collect();
-    p.extend_hashes("fill", rng.hashes(n));
-    p.note_scheduled("fill", 0, &gpu, true).expect("schedule");
-    p.note_scheduled("fill", n * BS, &[], false)
-        .expect("schedule");
-    let store = p.take_step().store.expect("a store");
+    let hashes = rng.hashes(n);
+    let store = run(p, "fill", &hashes, &gpu, n * BS)
+        .store
+        .expect("a store");
     assert_eq!(store.gpu_blocks.len(), n);
     p.complete(store.id, true).expect("complete");
-    p.request_finished("fill", n * BS).expect("finish");
+    p.request_finished("fill", &hashes, n * BS).expect("finish");
     p.take_completions();
     assert_eq!(p.cache().num_evictable(), n);
 }
@@ -72,6 +101,7 @@ fn report(name: &str, unit: &str, samples: Mutex<Vec<f64>>) {
 
 struct Running {
     id: String,
+    hashes: Vec<BlockHash>,
     /// Tokens computed before the step being scheduled.
     computed: usize,
     /// GPU blocks in its block table.
@@ -85,7 +115,6 @@ struct Decode {
     rng: Rng,
     next_gpu: u32,
     in_flight: Option<TransferId>,
-    new_hashes: Vec<BlockHash>,
 }
 
 impl Decode {
@@ -102,22 +131,19 @@ impl Decode {
             let blocks = computed / BS + 1;
             let gpu: Vec<u32> = (next_gpu..next_gpu + blocks as u32).collect();
             next_gpu += blocks as u32;
-            planner.extend_hashes(&id, rng.hashes(computed / BS));
-            planner
-                .note_scheduled(&id, 0, &gpu, true)
-                .expect("schedule");
-            planner
-                .note_scheduled(&id, computed, &[], false)
-                .expect("schedule");
+            let hashes = rng.hashes(computed / BS);
+            let plan = run(&mut planner, &id, &hashes, &gpu, computed);
+            // The prompts' stores complete before timing starts.
+            if let Some(store) = plan.store {
+                planner.complete(store.id, true).expect("complete");
+            }
             reqs.push(Running {
                 id,
+                hashes,
                 computed,
                 blocks,
             });
         }
-        // The prompts' stores complete before timing starts.
-        let store = planner.take_step().store.expect("prompt stores");
-        planner.complete(store.id, true).expect("complete");
         planner.take_completions();
         Self {
             planner,
@@ -125,37 +151,37 @@ impl Decode {
             rng,
             next_gpu,
             in_flight: None,
-            new_hashes: Vec::new(),
         }
     }
 
     /// One engine step: what `Planner.schedule` (the binding) does for a decode batch,
     /// plus the completion the workers report for the previous step's store.
     fn step(&mut self) {
-        let p = &mut self.planner;
         for r in &mut self.reqs {
-            let mut new_block = [0u32; 1];
-            let new: &[u32] = if r.computed / BS >= r.blocks {
-                new_block[0] = self.next_gpu;
+            // The server hashes a block once it is full.
+            while r.hashes.len() < r.computed / BS {
+                r.hashes.push(self.rng.hash());
+            }
+        }
+        let mut scheduled = Vec::with_capacity(self.reqs.len());
+        for r in &mut self.reqs {
+            let mut gpu_blocks = Vec::new();
+            if r.computed / BS >= r.blocks {
+                gpu_blocks.push(self.next_gpu);
                 self.next_gpu = self.next_gpu.wrapping_add(1);
                 r.blocks += 1;
-                &new_block
-            } else {
-                &[]
-            };
-            if p.note_scheduled(&r.id, r.computed, new, false)
-                .expect("schedule")
-            {
-                let missing = r.computed / BS - p.num_hashes(&r.id);
-                self.new_hashes.clear();
-                self.new_hashes
-                    .extend((0..missing).map(|_| self.rng.hash()));
-                p.extend_hashes(&r.id, self.new_hashes.iter().copied());
-                p.store_confirmed(&r.id, r.computed);
             }
+            scheduled.push(ScheduledRequest {
+                req_id: r.id.as_str(),
+                kind: ScheduleKind::Running,
+                num_computed_tokens: r.computed,
+                gpu_blocks,
+                hashes: r.hashes.as_slice(),
+            });
             r.computed += 1;
         }
-        let plan = p.take_step();
+        let p = &mut self.planner;
+        let plan = p.schedule(scheduled, []).expect("schedule");
         if let Some(id) = self.in_flight.take() {
             p.complete(id, true).expect("complete");
             black_box(p.take_completions());
@@ -218,14 +244,12 @@ fn per_block(c: &mut Criterion) {
                 let hashes: Vec<Vec<BlockHash>> = (0..iters).map(|_| rng.hashes(BLOCKS)).collect();
                 let start = Instant::now();
                 for h in &hashes {
-                    p.extend_hashes("r", h.iter().copied());
-                    p.note_scheduled("r", 0, &gpu, true).expect("schedule");
-                    p.note_scheduled("r", BLOCKS * BS, &[], false)
-                        .expect("schedule");
-                    let store = p.take_step().store.expect("a store");
+                    let store = run(&mut p, "r", h, &gpu, BLOCKS * BS)
+                        .store
+                        .expect("a store");
                     p.complete(store.id, true).expect("complete");
                     black_box(p.take_completions());
-                    p.request_finished("r", BLOCKS * BS).expect("finish");
+                    p.request_finished("r", h, BLOCKS * BS).expect("finish");
                 }
                 let t = start.elapsed();
                 samples
@@ -242,12 +266,15 @@ fn per_block(c: &mut Criterion) {
     {
         let mut rng = Rng(2);
         let mut p = planner(true);
-        // Lazy planners take stores only from `select_lazy`: fill the pool that way.
+        // Lazy planners take stores only from lazy candidates: fill the pool that way.
         let keys: Vec<(u32, BlockKey)> = (0..CPU_BLOCKS)
             .map(|i| (i, BlockKey::new(0, rng.hash())))
             .collect();
-        assert_eq!(p.select_lazy(keys).len(), CPU_BLOCKS as usize);
-        let store = p.take_step().store.expect("a store");
+        let plan = p
+            .schedule(Vec::<ScheduledRequest<'_, &[BlockHash]>>::new(), keys)
+            .expect("schedule");
+        assert_eq!(plan.held_gpu_blocks.len(), CPU_BLOCKS as usize);
+        let store = plan.store.expect("a store");
         p.complete(store.id, true).expect("complete");
         p.take_completions();
         let samples = Mutex::new(Vec::new());
@@ -262,8 +289,11 @@ fn per_block(c: &mut Criterion) {
                     .collect();
                 let start = Instant::now();
                 for c in cands {
-                    assert_eq!(p.select_lazy(c).len(), BLOCKS);
-                    let store = p.take_step().store.expect("a store");
+                    let plan = p
+                        .schedule(Vec::<ScheduledRequest<'_, &[BlockHash]>>::new(), c)
+                        .expect("schedule");
+                    assert_eq!(plan.held_gpu_blocks.len(), BLOCKS);
+                    let store = plan.store.expect("a store");
                     p.complete(store.id, true).expect("complete");
                     black_box(p.take_completions());
                 }
@@ -284,10 +314,11 @@ fn per_block(c: &mut Criterion) {
         let mut p = planner(false);
         fill(&mut p, &mut rng);
         let prefix = rng.hashes(BLOCKS + 1);
-        p.extend_hashes("src", prefix.iter().copied());
-        p.note_scheduled("src", 0, &gpu, true).expect("schedule");
-        p.request_finished("src", BLOCKS * BS).expect("finish");
-        let store = p.take_step().store.expect("a store");
+        p.schedule([sched("src", ScheduleKind::New, 0, &gpu, &prefix)], [])
+            .expect("schedule");
+        p.request_finished("src", &prefix, BLOCKS * BS)
+            .expect("finish");
+        let store = idle_step(&mut p).store.expect("a store");
         p.complete(store.id, true).expect("complete");
         p.take_completions();
         let num_tokens = BLOCKS * BS + 1;
@@ -296,15 +327,19 @@ fn per_block(c: &mut Criterion) {
             b.iter_custom(|iters| {
                 let start = Instant::now();
                 for _ in 0..iters {
-                    p.extend_hashes("r", prefix.iter().copied());
-                    let hit = p.lookup("r", num_tokens, 0).expect("lookup");
+                    let hit = p.lookup("r", &prefix, num_tokens, 0).expect("lookup");
                     assert_eq!(hit, BLOCKS * BS);
                     p.on_alloc("r", &gpu, 0, hit).expect("alloc");
-                    let load = p.take_step().loads.pop().expect("a load");
+                    let load = p
+                        .schedule([sched("r", ScheduleKind::New, 0, &gpu, &prefix)], [])
+                        .expect("schedule")
+                        .loads
+                        .pop()
+                        .expect("a load");
                     p.complete(load.id, true).expect("complete");
                     black_box(p.take_completions());
                     // Dropped before its blocks are confirmed: no eager store check.
-                    p.request_finished("r", 0).expect("finish");
+                    p.request_finished("r", &prefix, 0).expect("finish");
                 }
                 let t = start.elapsed();
                 samples
@@ -318,14 +353,13 @@ fn per_block(c: &mut Criterion) {
 
         // The same lookup asked again (vLLM re-asks for a request stuck at the head of
         // the waiting queue): answered from the pinned result.
-        p.extend_hashes("stuck", prefix.iter().copied());
         let samples = Mutex::new(Vec::new());
         g.throughput(Throughput::Elements(1));
         g.bench_function(BenchmarkId::new("lookup_repeat", BLOCKS), |b| {
             b.iter_custom(|iters| {
                 let start = Instant::now();
                 for _ in 0..iters {
-                    black_box(p.lookup("stuck", num_tokens, 0).expect("lookup"));
+                    black_box(p.lookup("stuck", &prefix, num_tokens, 0).expect("lookup"));
                 }
                 let t = start.elapsed();
                 samples

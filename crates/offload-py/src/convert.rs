@@ -89,7 +89,7 @@ impl<'py> PyHashes<'py> {
 }
 
 impl HashSource for PyHashes<'_> {
-    fn len(&self) -> Result<usize, HashError> {
+    fn num_hashes(&self) -> Result<usize, HashError> {
         self.len.clone()
     }
 
@@ -146,8 +146,8 @@ impl<'a, 'py> MappedHashes<'a, 'py> {
 }
 
 impl HashSource for MappedHashes<'_, '_> {
-    fn len(&self) -> Result<usize, HashError> {
-        self.get().len()
+    fn num_hashes(&self) -> Result<usize, HashError> {
+        self.get().num_hashes()
     }
 
     fn hash(&self, index: usize) -> Result<BlockHash, HashError> {

@@ -43,9 +43,9 @@ pub(super) struct Request {
 }
 
 impl Request {
-    /// Makes the first `min(need, src.len())` known hashes equal to the source's, reading
+    /// Makes the first `min(need, src.num_hashes())` known hashes equal to the source's, reading
     /// only what is new or needed to prove the rest unchanged; returns how many are
-    /// usable (`min(need, src.len())`).
+    /// usable (`min(need, src.num_hashes())`).
     ///
     /// The server may have truncated and regrown its list since the planner last read it
     /// (vLLM streaming sessions do, under one request id). The length alone cannot tell:
@@ -60,7 +60,7 @@ impl Request {
         cache: &mut BlockCache,
         stats: &mut PlannerStats,
     ) -> Result<usize, HashError> {
-        let len = src.len()?;
+        let len = src.num_hashes()?;
         let want = need.min(len);
         let known = self.hashes.len();
         // The entry that proves the known prefix still holds: the last one to be used,

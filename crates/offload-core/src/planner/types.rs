@@ -105,14 +105,14 @@ pub struct HashError {
 pub trait HashSource {
     /// Number of hashes (full blocks) the request has now, or why the list cannot be
     /// read at all.
-    fn len(&self) -> Result<usize, HashError>;
+    fn num_hashes(&self) -> Result<usize, HashError>;
 
-    /// The hash at `index` (below [`Self::len`]).
+    /// The hash at `index` (below [`Self::num_hashes`]).
     fn hash(&self, index: usize) -> Result<BlockHash, HashError>;
 }
 
 impl HashSource for [BlockHash] {
-    fn len(&self) -> Result<usize, HashError> {
+    fn num_hashes(&self) -> Result<usize, HashError> {
         Ok(<[BlockHash]>::len(self))
     }
 
@@ -125,7 +125,7 @@ impl HashSource for [BlockHash] {
 }
 
 impl HashSource for Vec<BlockHash> {
-    fn len(&self) -> Result<usize, HashError> {
+    fn num_hashes(&self) -> Result<usize, HashError> {
         Ok(self.as_slice().len())
     }
 
@@ -135,8 +135,8 @@ impl HashSource for Vec<BlockHash> {
 }
 
 impl<H: HashSource + ?Sized> HashSource for &H {
-    fn len(&self) -> Result<usize, HashError> {
-        (**self).len()
+    fn num_hashes(&self) -> Result<usize, HashError> {
+        (**self).num_hashes()
     }
 
     fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
