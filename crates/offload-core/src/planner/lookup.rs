@@ -33,49 +33,74 @@ impl Planner {
             return Ok(0);
         }
         let start = num_computed_tokens / bs;
+        let bad = |source| PlanError::BadHash {
+            req_id: req.to_string(),
+            source,
+        };
         let need = num_tokens.saturating_sub(1) / bs;
         let limit = r
-            .sync(hashes, need, &mut self.cache, &mut self.stats)
-            .map_err(|source| PlanError::BadHash {
-                req_id: req.to_string(),
-                source,
-            })?;
-        if let Some(hit) = &mut r.hit {
+            .verify(hashes, need, &mut self.cache, &mut self.stats)
+            .map_err(bad)?;
+        if let Some(hit) = &r.hit {
             let end = hit.start + hit.blocks.len();
             // vLLM asks again every step while the request waits; its GPU hit may have
             // grown meanwhile. The pinned run stays valid: drop what the GPU now covers
             // and extend it only if the index gained the blocks after it.
-            if hit.num_tokens == num_tokens && hit.start <= start && start <= end && end <= limit {
+            let same_run = match hit.last {
+                Some(last) if end > 0 && end <= limit => {
+                    hashes.hash(end - 1).map_err(bad)? == last
+                }
+                _ => true,
+            };
+            if same_run
+                && hit.num_tokens == num_tokens
+                && hit.start <= start
+                && start <= end
+                && end <= limit
+            {
                 let covered = start - hit.start;
+                let mut grew = Vec::new();
+                let mut last = hit.last;
+                for i in end..limit {
+                    let h = r.hash_at(hashes, i).map_err(bad)?;
+                    let Some(b) = self.cache.get_ready(&BlockKey::new(GROUP, h)) else {
+                        break;
+                    };
+                    grew.push(b);
+                    last = Some(h);
+                }
+                let Some(hit) = &mut r.hit else {
+                    return Ok(0);
+                };
                 for b in hit.blocks.drain(..covered) {
                     let _ = self.cache.unpin(b);
                 }
                 hit.start = start;
-                let mut grew = false;
-                for h in &r.hashes[end..limit] {
-                    let Some(b) = self.cache.get_ready(&BlockKey::new(GROUP, *h)) else {
-                        break;
-                    };
+                hit.last = last;
+                if covered == 0 && grew.is_empty() {
+                    self.stats.cached_lookups += 1;
+                }
+                for b in grew {
                     // The block is ready, hence in range and pinnable.
                     let _ = self.cache.pin(b);
                     hit.blocks.push(b);
-                    grew = true;
-                }
-                if covered == 0 && !grew {
-                    self.stats.cached_lookups += 1;
                 }
                 return Ok(hit.blocks.len() * bs);
             }
         }
         r.release_hit(&mut self.cache);
-        // Probe the whole run first, then pin: independent probes overlap their cache
-        // misses, and the pins then find the lines warm.
+        // Hashes are read from the first block the lookup needs, and only until the
+        // first miss. Probe the whole run first, then pin: independent probes overlap
+        // their cache misses, and the pins then find the lines warm.
         let mut blocks = Vec::new();
-        for h in &r.hashes[start.min(limit)..limit] {
-            let Some(b) = self.cache.get_ready(&BlockKey::new(GROUP, *h)) else {
+        let mut last = None;
+        for i in start.min(limit)..limit {
+            let h = r.hash_at(hashes, i).map_err(bad)?;
+            let Some(b) = self.cache.get_ready(&BlockKey::new(GROUP, h)) else {
                 break;
             };
             blocks.push(b);
+            last = Some(h);
         }
         for &b in &blocks {
             // The block is ready, hence in range and pinnable.
@@ -86,6 +111,7 @@ impl Planner {
             start,
             num_tokens,
             blocks,
+            last,
         });
         Ok(tokens)
     }

@@ -13,6 +13,10 @@ pub(super) struct Hit {
     pub(super) start: usize,
     pub(super) num_tokens: usize,
     pub(super) blocks: Vec<BlockId>,
+    /// The hash of the run's last block: a repeated lookup serves the pinned run only
+    /// while the request's list still has it there (the run's hashes may have been read
+    /// without becoming part of the known prefix).
+    pub(super) last: Option<BlockHash>,
 }
 
 /// How a finished request with transfers in flight is handed back to the server.
@@ -43,9 +47,26 @@ pub(super) struct Request {
 }
 
 impl Request {
-    /// Makes the first `min(need, src.num_hashes())` known hashes equal to the source's, reading
-    /// only what is new or needed to prove the rest unchanged; returns how many are
-    /// usable (`min(need, src.num_hashes())`).
+    /// Makes the first `min(need, src.num_hashes())` known hashes equal to the source's,
+    /// reading only what is new or needed to prove the rest unchanged; returns how many
+    /// are usable (`min(need, src.num_hashes())`).
+    pub(super) fn sync<H: HashSource + ?Sized>(
+        &mut self,
+        src: &H,
+        need: usize,
+        cache: &mut BlockCache,
+        stats: &mut PlannerStats,
+    ) -> Result<usize, HashError> {
+        let want = self.verify(src, need, cache, stats)?;
+        for i in self.hashes.len()..want {
+            self.hashes.push(src.hash(i)?);
+        }
+        Ok(want)
+    }
+
+    /// Checks that what the planner knows of the first `need` hashes still matches the
+    /// source, forgetting what does not; reads nothing new. Returns
+    /// `min(need, src.num_hashes())`.
     ///
     /// The server may have truncated and regrown its list since the planner last read it
     /// (vLLM streaming sessions do, under one request id). The length alone cannot tell:
@@ -53,7 +74,7 @@ impl Request {
     /// are chained one equal entry vouches for all before it. On a difference, everything
     /// past the common prefix is forgotten: what was considered for storing, and the
     /// pinned hit, so nothing is stored or served under a key whose content changed.
-    pub(super) fn sync<H: HashSource + ?Sized>(
+    pub(super) fn verify<H: HashSource + ?Sized>(
         &mut self,
         src: &H,
         need: usize,
@@ -62,10 +83,7 @@ impl Request {
     ) -> Result<usize, HashError> {
         let len = src.num_hashes()?;
         let want = need.min(len);
-        let known = self.hashes.len();
-        // The entry that proves the known prefix still holds: the last one to be used,
-        // or the last one known when the list must be extended.
-        let check = want.min(known);
+        let check = want.min(self.hashes.len());
         if check > 0 && src.hash(check - 1)? != self.hashes[check - 1] {
             let mut common = check - 1;
             while common > 0 && src.hash(common - 1)? != self.hashes[common - 1] {
@@ -73,15 +91,29 @@ impl Request {
             }
             self.forget_from(common, cache);
             stats.rewritten_hash_lists += 1;
-        } else if known > len {
+        } else if self.hashes.len() > len {
             // Shortened without a visible change to what is left: the dropped entries
             // may come back with other content.
             self.forget_from(len, cache);
         }
-        for i in self.hashes.len()..want {
-            self.hashes.push(src.hash(i)?);
-        }
         Ok(want)
+    }
+
+    /// The hash of block `i`: known, or read from `src` (and kept when it extends the
+    /// known prefix). The caller verified the known prefix against `src` in this call.
+    pub(super) fn hash_at<H: HashSource + ?Sized>(
+        &mut self,
+        src: &H,
+        i: usize,
+    ) -> Result<BlockHash, HashError> {
+        if let Some(h) = self.hashes.get(i) {
+            return Ok(*h);
+        }
+        let h = src.hash(i)?;
+        if i == self.hashes.len() {
+            self.hashes.push(h);
+        }
+        Ok(h)
     }
 
     /// Drops what the planner knew about blocks `from..`.
