@@ -1,0 +1,466 @@
+//! Model-based test of the planner: random sequences of server calls (arrivals, lookups,
+//! allocations with part of the hit accepted, computation, hash lists rewritten as
+//! vLLM's streaming sessions do, finishes, steps, per-rank completions that may fail,
+//! resets) are played against simulated GPU and CPU memory. Every copy runs when a rank
+//! reports it, so the test sees what each transfer read and wrote.
+//!
+//! Checked after every call: every store writes a GPU block's content under the key of
+//! that content, every load reads exactly the content stored for the hash it serves, no
+//! CPU block is written by two transfers or read while written, and the cache's
+//! invariants hold. At the end, with every request finished and every transfer retired,
+//! no pin is left and the planner forgets every request.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+
+use common::planner::{hashes, key, planner, store_keys, BS};
+use offload_core::{
+    BlockHash, BlockId, BlockKey, Planner, ScheduleKind, ScheduledRequest, StepPlan, TransferId,
+};
+use proptest::prelude::*;
+
+/// CPU blocks: small, so stores evict and run out of space.
+const CAP: u32 = 12;
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A new request over prompt family `0`, `1` blocks long, plus a block of its own
+    /// when `2`.
+    Arrive(u8, u8, bool),
+    Lookup(u8),
+    /// Allocate with the given fraction (0..=4 quarters) of the hit accepted.
+    Alloc(u8, u8),
+    /// Compute `1` more blocks in the coming step.
+    Run(u8, u8),
+    /// The server truncates the request's hashes to its computed blocks and regrows
+    /// them with `2` blocks of family `1` (0: the family it has now, an identical
+    /// regrowth).
+    Rewrite(u8, u8, u8),
+    Finish(u8),
+    Step,
+    /// A rank runs and reports a random transfer in flight; `1`: success.
+    Complete(u8, bool),
+    Reset,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u8..3, 1u8..8, any::<bool>()).prop_map(|(f, n, u)| Op::Arrive(f, n, u)),
+        4 => any::<u8>().prop_map(Op::Lookup),
+        3 => (any::<u8>(), 0u8..5).prop_map(|(r, q)| Op::Alloc(r, q)),
+        4 => (any::<u8>(), 1u8..4).prop_map(|(r, n)| Op::Run(r, n)),
+        1 => (any::<u8>(), 0u8..3, 1u8..4).prop_map(|(r, f, n)| Op::Rewrite(r, f, n)),
+        2 => any::<u8>().prop_map(Op::Finish),
+        3 => Just(Op::Step),
+        6 => (any::<u8>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::Complete(i, ok)),
+        1 => Just(Op::Reset),
+    ]
+}
+
+#[derive(Debug)]
+struct ModelReq {
+    id: String,
+    family: u128,
+    /// The server's hash list (what the planner reads through `HashSource`).
+    hashes: Vec<BlockHash>,
+    gpu: Vec<u32>,
+    /// Tokens computed, including those the coming step computes.
+    computed: usize,
+    allocated: bool,
+    offered: usize,
+    loading: bool,
+    finished: bool,
+    /// A reset happened between the lookup and the allocation.
+    stale: bool,
+}
+
+/// How a request appears in the coming step.
+#[derive(Debug)]
+struct Scheduled {
+    req: usize,
+    kind: ScheduleKind,
+    computed: usize,
+    gpu: Vec<u32>,
+}
+
+#[derive(Debug)]
+struct Flight {
+    id: TransferId,
+    pairs: Vec<(u32, BlockId)>,
+    store: bool,
+    valid: bool,
+    /// Pairwise with `pairs`: the content each copy must move.
+    expect: Vec<BlockHash>,
+    acks: u32,
+}
+
+struct Model {
+    p: Planner,
+    world: u32,
+    lazy: bool,
+    reqs: Vec<ModelReq>,
+    /// The requests the coming step schedules, each at most once.
+    step: Vec<Scheduled>,
+    /// What each GPU block holds (written when a request computes it or loads it).
+    gpu_mem: HashMap<u32, BlockHash>,
+    /// What each CPU block holds (written when a store copy runs).
+    cpu_mem: HashMap<BlockId, BlockHash>,
+    flights: Vec<Flight>,
+    next_gpu: u32,
+}
+
+impl Model {
+    fn new(world: u32, lazy: bool) -> Self {
+        Self {
+            p: planner(CAP, world, lazy),
+            world,
+            lazy,
+            reqs: Vec::new(),
+            step: Vec::new(),
+            gpu_mem: HashMap::new(),
+            cpu_mem: HashMap::new(),
+            flights: Vec::new(),
+            next_gpu: 0,
+        }
+    }
+
+    fn pick(&self, i: u8) -> Option<usize> {
+        (!self.reqs.is_empty()).then(|| usize::from(i) % self.reqs.len())
+    }
+
+    fn in_step(&self, req: usize) -> bool {
+        self.step.iter().any(|s| s.req == req)
+    }
+
+    fn apply(&mut self, op: Op) -> Result<(), TestCaseError> {
+        match op {
+            Op::Arrive(family, n, unique) => {
+                let family = u128::from(family) + 1;
+                let mut h = hashes(family, u128::from(n));
+                if unique {
+                    h.push(BlockHash(1_000_000 + self.reqs.len() as u128));
+                }
+                self.reqs.push(ModelReq {
+                    id: format!("r{}", self.reqs.len()),
+                    family,
+                    hashes: h,
+                    gpu: Vec::new(),
+                    computed: 0,
+                    allocated: false,
+                    offered: 0,
+                    loading: false,
+                    finished: false,
+                    stale: false,
+                });
+            }
+            Op::Lookup(i) => {
+                let Some(k) = self.pick(i) else { return Ok(()) };
+                let r = &mut self.reqs[k];
+                if r.allocated || r.finished {
+                    return Ok(());
+                }
+                let tokens = r.hashes.len() * BS + 1;
+                let hit = self.p.lookup(&r.id, &r.hashes, tokens, 0).unwrap();
+                prop_assert!(hit % BS == 0 && hit < tokens);
+                // Every hit block is servable: its store completed.
+                for (b, h) in r.hashes[..hit / BS].iter().enumerate() {
+                    prop_assert!(
+                        self.p.cache().get_ready(&key(*h)).is_some(),
+                        "hit block {} not ready",
+                        b
+                    );
+                }
+                r.offered = hit;
+                r.stale = false;
+            }
+            Op::Alloc(i, quarters) => {
+                let Some(k) = self.pick(i) else { return Ok(()) };
+                let r = &mut self.reqs[k];
+                if r.allocated || r.finished {
+                    return Ok(());
+                }
+                let accept = (r.offered / BS * usize::from(quarters) / 4) * BS;
+                r.gpu = (self.next_gpu..self.next_gpu + r.hashes.len() as u32 + 1).collect();
+                self.next_gpu += r.gpu.len() as u32;
+                self.p.on_alloc(&r.id, &r.gpu, 0, accept).unwrap();
+                r.allocated = true;
+                r.loading = accept > 0;
+                r.computed = accept;
+                self.step.push(Scheduled {
+                    req: k,
+                    kind: ScheduleKind::New,
+                    computed: 0,
+                    gpu: r.gpu.clone(),
+                });
+            }
+            Op::Run(i, n) => {
+                let Some(k) = self.pick(i) else { return Ok(()) };
+                if self.in_step(k) {
+                    return Ok(());
+                }
+                let r = &mut self.reqs[k];
+                if !r.allocated || r.loading || r.finished {
+                    return Ok(());
+                }
+                // The planner is told the tokens computed before this step; the step
+                // computes `n` more blocks.
+                self.step.push(Scheduled {
+                    req: k,
+                    kind: ScheduleKind::Running,
+                    computed: r.computed,
+                    gpu: Vec::new(),
+                });
+                let end = (r.computed / BS + usize::from(n)).min(r.hashes.len());
+                for b in r.computed / BS..end {
+                    self.gpu_mem.insert(r.gpu[b], r.hashes[b]);
+                }
+                r.computed = end * BS;
+            }
+            Op::Rewrite(i, family, n) => {
+                let Some(k) = self.pick(i) else { return Ok(()) };
+                if self.in_step(k) {
+                    return Ok(());
+                }
+                let r = &mut self.reqs[k];
+                if !r.allocated || r.loading || r.finished {
+                    return Ok(());
+                }
+                // vLLM's `_update_request_as_session`: keep the computed blocks' hashes,
+                // regrow with the next chunk. The block table keeps its size, so the
+                // list never outgrows it.
+                let family = (u128::from(family) + r.family - 1) % 3 + 1;
+                r.family = family;
+                let keep = r.computed / BS;
+                let len = (keep + usize::from(n)).min(r.gpu.len() - 1);
+                r.hashes.truncate(keep);
+                r.hashes
+                    .extend_from_slice(&hashes(family, len as u128)[keep.min(len)..]);
+            }
+            Op::Finish(i) => {
+                let Some(k) = self.pick(i) else { return Ok(()) };
+                if self.in_step(k) {
+                    return Ok(());
+                }
+                let r = &mut self.reqs[k];
+                if r.finished || r.loading {
+                    return Ok(());
+                }
+                self.p
+                    .request_finished(&r.id, &r.hashes, r.computed)
+                    .unwrap();
+                r.finished = true;
+            }
+            Op::Step => self.run_step()?,
+            Op::Complete(i, ok) => {
+                if self.flights.is_empty() {
+                    return Ok(());
+                }
+                let f = usize::from(i) % self.flights.len();
+                self.run_copy(f, ok)?;
+            }
+            Op::Reset => {
+                self.p.reset();
+                for r in &mut self.reqs {
+                    r.stale = true;
+                }
+            }
+        }
+        if let Err(e) = self.p.cache().check_invariants() {
+            prop_assert!(false, "{}", e);
+        }
+        Ok(())
+    }
+
+    /// Hands the coming step to the planner and records the transfers it issues.
+    fn run_step(&mut self) -> Result<(), TestCaseError> {
+        let candidates: Vec<(u32, BlockKey)> = if self.lazy {
+            // Every computed block of finished requests, oldest first.
+            self.reqs
+                .iter()
+                .filter(|r| r.finished)
+                .flat_map(|r| (0..r.computed / BS).map(|b| (r.gpu[b], key(r.hashes[b]))))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let scheduled: Vec<_> = self
+            .step
+            .drain(..)
+            .map(|s| ScheduledRequest {
+                req_id: self.reqs[s.req].id.as_str(),
+                kind: s.kind,
+                num_computed_tokens: s.computed,
+                gpu_blocks: s.gpu,
+                hashes: self.reqs[s.req].hashes.as_slice(),
+            })
+            .collect();
+        let plan = self.p.schedule(scheduled, candidates).unwrap();
+        self.record(plan)
+    }
+
+    fn record(&mut self, plan: StepPlan) -> Result<(), TestCaseError> {
+        for l in plan.loads {
+            let r = self.reqs.iter().find(|r| r.id == l.req_id).unwrap();
+            // Only a reset between lookup and allocation invalidates a hit.
+            prop_assert!(l.valid || r.stale);
+            let expect = r.hashes[..l.cpu_blocks.len()].to_vec();
+            self.flights.push(Flight {
+                id: l.id,
+                pairs: l.gpu_blocks.into_iter().zip(l.cpu_blocks).collect(),
+                store: false,
+                valid: l.valid,
+                expect,
+                acks: 0,
+            });
+        }
+        if let Some(s) = plan.store {
+            // Each block is stored under the key of the content its GPU block holds.
+            let content: Vec<Option<BlockHash>> = s
+                .gpu_blocks
+                .iter()
+                .map(|g| self.gpu_mem.get(g).copied())
+                .collect();
+            let keys: Vec<Option<BlockHash>> =
+                store_keys(&self.p, &s).into_iter().map(Some).collect();
+            prop_assert_eq!(&keys, &content, "store under a stale key");
+            let expect = content.into_iter().flatten().collect();
+            self.flights.push(Flight {
+                id: s.id,
+                pairs: s.gpu_blocks.into_iter().zip(s.cpu_blocks).collect(),
+                store: true,
+                valid: true,
+                expect,
+                acks: 0,
+            });
+        }
+        // No CPU block is written by two transfers, or read while written.
+        let mut written = HashSet::new();
+        for f in self.flights.iter().filter(|f| f.store) {
+            for (_, c) in &f.pairs {
+                prop_assert!(written.insert(*c), "CPU block {} written twice", c);
+            }
+        }
+        for f in self.flights.iter().filter(|f| !f.store) {
+            for (_, c) in &f.pairs {
+                prop_assert!(!written.contains(c), "CPU block {} read while written", c);
+            }
+        }
+        Ok(())
+    }
+
+    /// One rank runs transfer `flights[f]` and reports it.
+    fn run_copy(&mut self, f: usize, ok: bool) -> Result<(), TestCaseError> {
+        let flight = &mut self.flights[f];
+        // Workers report invalid loads failed without copying.
+        let ok = ok && flight.valid;
+        for ((gpu, cpu), h) in flight.pairs.iter().zip(&flight.expect) {
+            if flight.store {
+                prop_assert_eq!(
+                    self.gpu_mem.get(gpu),
+                    Some(h),
+                    "GPU block changed under a store"
+                );
+                if ok {
+                    self.cpu_mem.insert(*cpu, *h);
+                }
+            } else {
+                prop_assert_eq!(self.cpu_mem.get(cpu), Some(h), "load read wrong bytes");
+                if ok {
+                    self.gpu_mem.insert(*gpu, *h);
+                }
+            }
+        }
+        flight.acks += 1;
+        let id = flight.id;
+        if flight.acks == self.world {
+            self.flights.remove(f);
+        }
+        self.p.complete(id, ok).unwrap();
+        let c = self.p.take_completions();
+        for req in c.finished_recving {
+            let r = self.reqs.iter_mut().find(|r| r.id == req).unwrap();
+            r.loading = false;
+        }
+        // The server recomputes the blocks of failed loads.
+        for r in &mut self.reqs {
+            if r.gpu.iter().any(|g| c.load_error_blocks.contains(g)) {
+                r.computed = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// Finishes every request and retires every transfer; then nothing may be left.
+    fn drain(mut self) -> Result<(), TestCaseError> {
+        self.run_step()?;
+        for r in &self.reqs {
+            if !r.finished && !r.loading {
+                self.p
+                    .request_finished(&r.id, &r.hashes, r.computed)
+                    .unwrap();
+            }
+        }
+        for r in &mut self.reqs {
+            r.finished |= !r.loading;
+        }
+        self.run_step()?;
+        while !self.flights.is_empty() {
+            self.run_copy(0, true)?;
+        }
+        // Requests that were loading finished their loads above.
+        for r in &mut self.reqs {
+            if !r.finished {
+                prop_assert!(!r.loading);
+                self.p
+                    .request_finished(&r.id, &r.hashes, r.computed)
+                    .unwrap();
+                r.finished = true;
+            }
+        }
+        self.run_step()?;
+        while !self.flights.is_empty() {
+            self.run_copy(0, true)?;
+        }
+        prop_assert!(!self.p.has_work_in_flight());
+        prop_assert_eq!(self.p.num_requests(), 0);
+        for b in 0..CAP {
+            prop_assert_eq!(
+                self.p.cache().pool().ref_count(b),
+                Some(0),
+                "pin leaked on {}",
+                b
+            );
+        }
+        Ok(())
+    }
+}
+
+fn run_model(ops: Vec<Op>, world: u32, lazy: bool) -> Result<(), TestCaseError> {
+    let mut m = Model::new(world, lazy);
+    for op in ops {
+        m.apply(op)?;
+    }
+    m.drain()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn eager_planner_never_serves_unstored_or_wrong_blocks(ops in prop::collection::vec(op(), 1..120)) {
+        run_model(ops, 1, false)?;
+    }
+
+    #[test]
+    fn eager_planner_over_two_ranks(ops in prop::collection::vec(op(), 1..120)) {
+        run_model(ops, 2, false)?;
+    }
+
+    #[test]
+    fn lazy_planner_never_serves_unstored_or_wrong_blocks(ops in prop::collection::vec(op(), 1..120)) {
+        run_model(ops, 1, true)?;
+    }
+}
