@@ -40,6 +40,16 @@ pub enum ConfigError {
     },
 }
 
+/// A hash that could not be read from a [`HashSource`](crate::HashSource).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("block_hashes[{index}]: {reason}")]
+pub struct HashError {
+    /// Position of the bad entry.
+    pub index: usize,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
 /// A caller broke the planner's protocol (unknown request, ids out of range, ...).
 ///
 /// These are bugs in the embedding code or malformed input; the planner state is left
@@ -59,6 +69,6 @@ pub enum PlanError {
         /// The request whose hash list is malformed.
         req_id: String,
         /// Which entry, and why.
-        source: crate::planner::HashError,
+        source: HashError,
     },
 }

@@ -76,13 +76,13 @@ pub mod transfer;
 
 pub use cache::BlockCache;
 pub use config::{ConfigValue, LoadMode, OffloadConfig, ParsedConfig};
-pub use error::{ConfigError, PlanError};
+pub use error::{ConfigError, HashError, PlanError};
 pub use events::{EventBuffer, KvEvent, PlannerStats};
 pub use evict::{EvictionPolicy, Lru};
 pub use index::PrefixIndex;
 pub use key::{BlockHash, BlockId, BlockKey};
 pub use planner::{
-    Completions, HashError, HashSource, LazyCandidate, LoadJob, Planner, PlannerConfig,
-    ScheduleKind, ScheduledRequest, StepPlan, StoreJob, TransferId,
+    Completions, HashSource, LazyCandidate, LoadJob, Planner, PlannerConfig, ScheduleKind,
+    ScheduledRequest, StepPlan, StoreJob, TransferId,
 };
 pub use pool::{BlockPool, BlockState, PoolError};

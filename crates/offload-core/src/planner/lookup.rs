@@ -47,9 +47,7 @@ impl Planner {
             // grown meanwhile. The pinned run stays valid: drop what the GPU now covers
             // and extend it only if the index gained the blocks after it.
             let same_run = match hit.last {
-                Some(last) if end > 0 && end <= limit => {
-                    hashes.hash(end - 1).map_err(bad)? == last
-                }
+                Some(last) if end > 0 && end <= limit => hashes.hash(end - 1).map_err(bad)? == last,
                 _ => true,
             };
             if same_run

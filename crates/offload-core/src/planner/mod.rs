@@ -37,8 +37,8 @@ use request::{Report, Request};
 use select::{select_eager, select_lazy, PendingStore};
 
 pub use types::{
-    Completions, HashError, HashSource, LazyCandidate, LoadJob, PlannerConfig, ScheduleKind,
-    ScheduledRequest, StepPlan, StoreJob, TransferId,
+    Completions, HashSource, LazyCandidate, LoadJob, PlannerConfig, ScheduleKind, ScheduledRequest,
+    StepPlan, StoreJob, TransferId,
 };
 
 /// The KV-cache group the planner works on. vLLM puts every layer of a full-attention

@@ -5,7 +5,9 @@ use crate::cache::BlockCache;
 use crate::events::PlannerStats;
 use crate::key::{BlockHash, BlockId};
 
-use super::types::{HashError, HashSource};
+use crate::error::HashError;
+
+use super::types::HashSource;
 
 /// A pinned lookup result: CPU blocks for the request's blocks `start..start + len`.
 #[derive(Debug, Default)]

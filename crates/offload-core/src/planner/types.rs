@@ -1,6 +1,7 @@
 //! What goes into and comes out of the [`Planner`](super::Planner): its configuration,
 //! the per-step input, and the plan and completions it hands back.
 
+use crate::error::HashError;
 use crate::key::{BlockHash, BlockId, BlockKey};
 
 /// Identifies one transfer (one load of a request, or one step's stores).
@@ -81,16 +82,6 @@ impl Default for PlannerConfig {
     fn default() -> Self {
         Self::new(16, 0)
     }
-}
-
-/// A hash that could not be read from a [`HashSource`].
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("block_hashes[{index}]: {reason}")]
-pub struct HashError {
-    /// Position of the bad entry.
-    pub index: usize,
-    /// What is wrong with it.
-    pub reason: String,
 }
 
 /// A request's block hashes as the server holds them, read on demand.
