@@ -234,7 +234,6 @@ fn loads_retire_only_after_every_rank() {
     let mut p = planner(16, 2, false);
     let h = hashes(1, 2);
     store_prompt(&mut p, "a", &h, 0);
-    p.take_completions();
     assert_eq!(p.lookup("b", &h, 33, 0), Ok(32));
     p.on_alloc("b", &[5, 6, 7], 0, 32).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
@@ -286,7 +285,6 @@ fn request_aborted_while_loading_is_reported_by_recving_only() {
     let mut p = planner(16, 1, false);
     let h = hashes(1, 2);
     store_prompt(&mut p, "a", &h, 0);
-    p.take_completions();
     assert_eq!(p.lookup("b", &h, 33, 0), Ok(32));
     p.on_alloc("b", &[5, 6, 7], 0, 32).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
@@ -309,7 +307,6 @@ fn sync_loads_are_not_reported_as_received() {
     let mut p = Planner::new(PlannerConfig::new(BS as u32, 16).with_sync_loads(true));
     let h = hashes(1, 2);
     store_prompt(&mut p, "a", &h, 0);
-    p.take_completions();
     assert_eq!(p.lookup("b", &h, 33, 0), Ok(32));
     p.on_alloc("b", &[5, 6, 7], 0, 32).unwrap();
     let load = step(&mut p, [new_req("b", 32, &[5, 6, 7], &h)])
@@ -358,7 +355,6 @@ fn load_accepted_across_a_reset_is_reported_failed() {
     let mut p = planner(16, 1, false);
     let h = hashes(1, 2);
     store_prompt(&mut p, "a", &h, 0);
-    p.take_completions();
     assert_eq!(p.lookup("b", &h, 33, 0), Ok(32));
     p.reset();
     p.on_alloc("b", &[5, 6, 7], 0, 32).unwrap();

@@ -99,8 +99,8 @@ pub fn complete_on_every_rank(p: &mut Planner, id: TransferId) {
 }
 
 /// Runs `req` over the prompt `h` through lookup, allocation (GPU blocks from
-/// `first_gpu` on), one step, and its finish; completes the flush on every rank and
-/// returns it. Eager mode only.
+/// `first_gpu` on), one step, and its finish; completes the flush on every rank, takes
+/// the completion that releases `req`, and returns the flush. Eager mode only.
 pub fn store_prompt(p: &mut Planner, req: &str, h: &[BlockHash], first_gpu: u32) -> StoreJob {
     let tokens = h.len() * BS;
     p.lookup(req, h, tokens + 1, 0).expect("lookup");
@@ -110,6 +110,7 @@ pub fn store_prompt(p: &mut Planner, req: &str, h: &[BlockHash], first_gpu: u32)
     assert!(p.request_finished(req, h, tokens).expect("finish"));
     let store = idle_step(p).store.expect("the prompt's blocks to flush");
     complete_on_every_rank(p, store.id);
+    assert_eq!(p.take_completions().finished_sending, vec![req.to_string()]);
     store
 }
 
