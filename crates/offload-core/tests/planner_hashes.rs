@@ -165,6 +165,21 @@ fn pinned_hit_past_the_truncation_point_is_released() {
     assert_eq!(pinned(&p), 0);
 }
 
+/// A hit that starts after the GPU prefix is read from there on, so the planner knows no
+/// hash before it; a rewrite of the hit's blocks must still drop the pinned run.
+#[test]
+fn pinned_hit_after_the_gpu_prefix_is_rechecked_when_asked_again() {
+    let mut p = planner(16, 1, false);
+    let (old, new) = (old_list(), new_list());
+    store_prompt(&mut p, "a", &old, 0);
+    assert_eq!(p.lookup("s", &old, 65, 32), Ok(32));
+    assert_eq!(pinned(&p), 2);
+    assert_eq!(p.lookup("s", &new, 65, 32), Ok(0));
+    assert_eq!(pinned(&p), 0);
+    p.on_alloc("s", &[10, 11, 12, 13, 14], 32, 0).unwrap();
+    assert!(idle_step(&mut p).is_empty());
+}
+
 /// The list only shrank (nothing regrown yet): nothing past it is stored, and what
 /// regrows later is read afresh.
 #[test]
