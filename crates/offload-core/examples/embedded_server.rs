@@ -63,7 +63,7 @@ const OUTPUT_TOKENS: usize = 24;
 type BoxError = Box<dyn std::error::Error>;
 
 fn main() -> Result<ExitCode, BoxError> {
-    let device = DeviceMemory::new(DEVICE_BLOCKS);
+    let device = DeviceMemory::new();
     let engine = TransferEngine::new(
         vec![device.region()?],
         CPU_BLOCKS,
@@ -112,7 +112,8 @@ fn fill_block(hash: BlockHash, out: &mut [u8]) {
     }
 }
 
-/// Deterministic token ids, so every run sends the same workload.
+/// Token `i` of a system prompt (`kind` 0), a user message (1) or a model output (2):
+/// deterministic, so every run sends the same workload.
 fn token(kind: u64, a: u64, b: u64, i: usize) -> u32 {
     (mix((kind << 56) ^ (a << 40) ^ (b << 24) ^ i as u64) % 50_000) as u32
 }
@@ -126,8 +127,8 @@ struct DeviceMemory {
 }
 
 impl DeviceMemory {
-    fn new(blocks: u32) -> Self {
-        let mut memory = vec![0u8; blocks as usize * BLOCK_BYTES];
+    fn new() -> Self {
+        let mut memory = vec![0u8; DEVICE_BLOCKS as usize * BLOCK_BYTES];
         Self {
             base: memory.as_mut_ptr(),
             _memory: memory,
@@ -235,8 +236,8 @@ impl DeviceBlocks {
         self.cached.entry(hash).or_insert(block);
     }
 
-    /// Drops a request's hold on its blocks. The last blocks go first to the free
-    /// queue's head end, so a prefix outlives its tail (as in vLLM).
+    /// Drops a request's hold on its blocks. They join the free queue last block first,
+    /// so a request's tail is evicted before its prefix (as in vLLM).
     fn free(&mut self, table: &[u32]) {
         for &b in table.iter().rev() {
             self.refs[b as usize] -= 1;
