@@ -67,8 +67,8 @@ fn assert_new_content_published(p: &mut Planner) {
 }
 
 /// The planner read the session's third hash during a lookup (blocks 0 and 1 were on CPU,
-/// so it read on to the first miss), then the list was truncated to two blocks and
-/// regrown. Computing the new blocks must store them under their new keys.
+/// so it read at least up to the first miss), then the list was truncated to two blocks
+/// and regrown. Computing the new blocks must store them under their new keys.
 #[test]
 fn hash_read_by_a_lookup_then_rewritten_is_never_stored_or_served() {
     let mut p = planner(16, 1, false);
