@@ -1,7 +1,7 @@
 //! Model-based test of the planner: random sequences of server calls (arrivals, lookups,
 //! allocations with part of the hit accepted, computation, hash lists rewritten as
-//! vLLM's streaming sessions do, finishes, steps, per-rank completions that may fail,
-//! resets) are played against simulated GPU and CPU memory. Every copy runs when a rank
+//! vLLM's streaming sessions do, preemptions and resumptions, finishes, steps, per-rank
+//! completions that may fail, resets) are played against simulated GPU and CPU memory. Every copy runs when a rank
 //! reports it, so the test sees what each transfer read and wrote.
 //!
 //! Checked after every call: every store writes a GPU block's content under the key of
@@ -44,6 +44,9 @@ enum Op {
     Step,
     /// A rank runs and reports a random transfer in flight; `1`: success.
     Complete(u8, bool),
+    /// The server preempts a running request: its GPU blocks are freed and it waits to
+    /// be resumed from scratch (looked up and allocated again).
+    Preempt(u8),
     Reset,
 }
 
@@ -58,6 +61,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<u8>().prop_map(Op::Finish),
         3 => Just(Op::Step),
         6 => (any::<u8>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::Complete(i, ok)),
+        1 => any::<u8>().prop_map(Op::Preempt),
         1 => Just(Op::Reset),
     ]
 }
@@ -77,6 +81,8 @@ struct ModelReq {
     finished: bool,
     /// A reset happened between the lookup and the allocation.
     stale: bool,
+    /// Was preempted: its next allocation resumes it.
+    preempted: bool,
 }
 
 /// How a request appears in the coming step.
@@ -157,6 +163,7 @@ impl Model {
                     loading: false,
                     finished: false,
                     stale: false,
+                    preempted: false,
                 });
             }
             Op::Lookup(i) => {
@@ -181,7 +188,11 @@ impl Model {
                 r.computed = accept;
                 self.step.push(Scheduled {
                     req: k,
-                    kind: ScheduleKind::New,
+                    kind: if r.preempted {
+                        ScheduleKind::Resumed
+                    } else {
+                        ScheduleKind::New
+                    },
                     computed: 0,
                     gpu: r.gpu.clone(),
                 });
@@ -243,6 +254,20 @@ impl Model {
                 }
                 let f = usize::from(i) % self.flights.len();
                 self.run_copy(f, ok)?;
+            }
+            Op::Preempt(i) => {
+                let Some(k) = self.pick(i, |r, stepped| {
+                    r.allocated && !r.loading && !r.finished && !stepped
+                }) else {
+                    return Ok(());
+                };
+                let r = &mut self.reqs[k];
+                // Its old GPU blocks are never reused here, so stores still reading them
+                // need no fence.
+                r.allocated = false;
+                r.preempted = true;
+                r.computed = 0;
+                r.offered = 0;
             }
             Op::Reset => {
                 self.p.reset();
