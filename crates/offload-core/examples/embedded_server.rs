@@ -324,8 +324,6 @@ struct Counters {
     verified_bytes: u64,
     mismatched_blocks: u64,
     failed_loads: u64,
-    copy_jobs: u64,
-    copied_bytes: u64,
     /// Time with at least one copy in flight.
     copy_busy: Duration,
 }
@@ -535,8 +533,6 @@ impl Server {
                 .wait_for(&self.in_flight, Duration::from_secs(10))?;
         }
         for c in &done {
-            self.counters.copy_jobs += 1;
-            self.counters.copied_bytes += c.bytes;
             self.in_flight.retain(|&id| id != c.id);
         }
         if self.in_flight.is_empty() {
@@ -643,10 +639,10 @@ impl Server {
         );
         println!(
             "copies: {} jobs, {:.1} MiB stored + {:.1} MiB loaded, {:.2} GiB/s while in flight",
-            c.copy_jobs,
+            e.jobs_succeeded + e.jobs_failed,
             mib(e.bytes_stored),
             mib(e.bytes_loaded),
-            gib_per_s(c.copied_bytes, c.copy_busy)
+            gib_per_s(e.bytes_stored + e.bytes_loaded, c.copy_busy)
         );
         if c.mismatched_blocks > 0 {
             println!(
