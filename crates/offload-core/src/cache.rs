@@ -12,7 +12,7 @@
 //!   pin is dropped.
 
 use crate::events::{EventBuffer, KvEvent};
-use crate::evict::{EvictionPolicy, Lru};
+use crate::evict::{Clock, EvictionPolicy};
 use crate::index::PrefixIndex;
 use crate::key::{BlockHash, BlockId, BlockKey};
 use crate::pool::{BlockPool, BlockState, PoolError};
@@ -31,7 +31,7 @@ use crate::pool::{BlockPool, BlockState, PoolError};
 /// assert_eq!(cache.ready_prefix(0, &[BlockHash(42)]), 1);
 /// ```
 #[derive(Debug)]
-pub struct BlockCache<P: EvictionPolicy = Lru> {
+pub struct BlockCache<P: EvictionPolicy = Clock> {
     pool: BlockPool,
     index: PrefixIndex,
     policy: P,
@@ -39,11 +39,11 @@ pub struct BlockCache<P: EvictionPolicy = Lru> {
     evicted: u64,
 }
 
-impl BlockCache<Lru> {
-    /// A cache of `capacity` blocks with LRU eviction; KV events are buffered when
-    /// `events` is true.
+impl BlockCache<Clock> {
+    /// A cache of `capacity` blocks with second-chance ([`Clock`]) eviction; KV events
+    /// are buffered when `events` is true.
     pub fn new(capacity: u32, events: bool) -> Self {
-        Self::with_policy(capacity, Lru::new(capacity), events)
+        Self::with_policy(capacity, Clock::new(capacity), events)
     }
 }
 
@@ -100,6 +100,12 @@ impl<P: EvictionPolicy> BlockCache<P> {
             .filter(|b| self.pool.state(*b) == Some(BlockState::Ready))
     }
 
+    /// Whether `block` holds a completed store.
+    #[inline]
+    pub fn is_ready(&self, block: BlockId) -> bool {
+        self.pool.state(block) == Some(BlockState::Ready)
+    }
+
     /// Whether `key` is on CPU or being stored.
     #[inline]
     pub fn contains(&self, key: &BlockKey) -> bool {
@@ -128,7 +134,7 @@ impl<P: EvictionPolicy> BlockCache<P> {
         Ok(())
     }
 
-    /// Takes a block for a new store of `key`, evicting the least recently used block
+    /// Takes a block for a new store of `key`, evicting the policy's victim block
     /// when none is free. The block comes back `Pending`, indexed (so the same key is
     /// not stored twice) and pinned by the store. `None` when every block is pinned or
     /// in flight, or when `key` is present already.

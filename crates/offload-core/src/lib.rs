@@ -78,7 +78,7 @@ pub use cache::BlockCache;
 pub use config::{ConfigValue, LoadMode, OffloadConfig, ParsedConfig};
 pub use error::{ConfigError, HashError, PlanError};
 pub use events::{EventBuffer, KvEvent, PlannerStats};
-pub use evict::{EvictionPolicy, Lru};
+pub use evict::{Clock, EvictionPolicy, Lru};
 pub use index::PrefixIndex;
 pub use key::{BlockHash, BlockId, BlockKey};
 pub use planner::{

@@ -8,6 +8,10 @@ use super::request::Hit;
 use super::types::{HashSource, LoadJob};
 use super::{Planner, GROUP};
 
+/// Blocks per round of the probe pipeline in a fresh lookup: enough independent loads to
+/// fill the memory pipeline, few enough that a miss early in a chunk wastes little.
+const PROBE_CHUNK: usize = 16;
+
 impl Planner {
     /// Tokens of `req` that can be loaded from CPU after its first `num_computed_tokens`
     /// (its GPU prefix hit), given that the prompt has `num_tokens` tokens and the block
@@ -88,17 +92,32 @@ impl Planner {
         }
         r.release_hit(&mut self.cache);
         // Hashes are read from the first block the lookup needs, and only until the
-        // first miss. Probe the whole run first, then pin: independent probes overlap
-        // their cache misses, and the pins then find the lines warm.
+        // first miss. Each chunk goes through the conversions, then the index probes,
+        // then the state checks: independent loads in a row overlap their cache misses
+        // (a cold lookup is bound by them, not by instructions).
         let mut blocks = Vec::new();
         let mut last = None;
-        for i in start.min(limit)..limit {
-            let h = r.hash_at(hashes, i).map_err(bad)?;
-            let Some(b) = self.cache.get_ready(&BlockKey::new(GROUP, h)) else {
-                break;
-            };
-            blocks.push(b);
-            last = Some(h);
+        let mut keys = [BlockKey::default(); PROBE_CHUNK];
+        let mut found = [None; PROBE_CHUNK];
+        let mut i = start.min(limit);
+        'chunks: while i < limit {
+            let n = (limit - i).min(PROBE_CHUNK);
+            for (j, key) in keys[..n].iter_mut().enumerate() {
+                *key = BlockKey::new(GROUP, r.hash_at(hashes, i + j).map_err(bad)?);
+            }
+            for (key, slot) in keys[..n].iter().zip(&mut found[..n]) {
+                *slot = self.cache.index().get(key);
+            }
+            for (key, slot) in keys[..n].iter().zip(&found[..n]) {
+                match slot.filter(|b| self.cache.is_ready(*b)) {
+                    Some(b) => {
+                        blocks.push(b);
+                        last = Some(key.hash);
+                    }
+                    None => break 'chunks,
+                }
+            }
+            i += n;
         }
         for &b in &blocks {
             // The block is ready, hence in range and pinnable.
