@@ -16,7 +16,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 
-use common::planner::{hashes, key, planner, store_keys, BS};
+use common::planner::{chained, key, planner, store_keys, BS};
 use offload_core::{
     BlockHash, BlockId, BlockKey, Planner, ScheduleKind, ScheduledRequest, StepPlan, TransferId,
 };
@@ -27,8 +27,8 @@ const CAP: u32 = 8;
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// A new request over prompt family `0` (two families share many blocks), `1`
-    /// blocks long, plus a block of its own when `2`.
+    /// A new request over prompt family `0` (requests of one family share their
+    /// prefix), `1` blocks long, plus a block of its own when `2`.
     Arrive(u8, u8, bool),
     Lookup(u8),
     /// Allocate with the given fraction (0..=4 quarters) of the hit accepted, looking
@@ -66,10 +66,16 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// The content of block `b` of prompt family `family` (family 0: a block of request
+/// `b`'s own).
+fn block(family: u64, b: u64) -> u64 {
+    (family << 32) | b
+}
+
 #[derive(Debug)]
 struct ModelReq {
     id: String,
-    family: u128,
+    family: u64,
     /// The server's hash list (what the planner reads through `HashSource`).
     hashes: Vec<BlockHash>,
     gpu: Vec<u32>,
@@ -147,11 +153,12 @@ impl Model {
     fn apply(&mut self, op: Op) -> Result<(), TestCaseError> {
         match op {
             Op::Arrive(family, n, unique) => {
-                let family = u128::from(family) + 1;
-                let mut h = hashes(family, u128::from(n));
+                let family = u64::from(family) + 1;
+                let mut content: Vec<u64> = (0..u64::from(n)).map(|b| block(family, b)).collect();
                 if unique {
-                    h.push(BlockHash(1_000_000 + self.reqs.len() as u128));
+                    content.push(block(0, self.reqs.len() as u64));
                 }
+                let h = chained(None, content);
                 self.reqs.push(ModelReq {
                     id: format!("r{}", self.reqs.len()),
                     family,
@@ -228,13 +235,14 @@ impl Model {
                 // vLLM's `_update_request_as_session`: keep the computed blocks' hashes,
                 // regrow with the next chunk. The block table keeps its size, so the
                 // list never outgrows it.
-                let family = (u128::from(family) + r.family - 1) % 3 + 1;
+                let family = (u64::from(family) + r.family - 1) % 3 + 1;
                 r.family = family;
                 let keep = r.computed / BS;
                 let len = (keep + usize::from(n)).min(r.gpu.len() - 1);
                 r.hashes.truncate(keep);
-                r.hashes
-                    .extend_from_slice(&hashes(family, len as u128)[keep.min(len)..]);
+                let regrown = (keep as u64..len as u64).map(|b| block(family, b));
+                let tail = chained(r.hashes.last().copied(), regrown);
+                r.hashes.extend(tail);
             }
             Op::Finish(i) => {
                 let Some(k) = self.pick(i, |r, stepped| !r.finished && !r.loading && !stepped)

@@ -1,6 +1,8 @@
 //! Planner fixtures: a planner with the tests' geometry, hash families, the protocol's
 //! calls in one line each, and read-only probes of the CPU pool.
 
+use std::hash::{DefaultHasher, Hash, Hasher};
+
 use offload_core::{
     BlockHash, BlockKey, KvEvent, Planner, PlannerConfig, ScheduleKind, ScheduledRequest, StepPlan,
     StoreJob, TransferId,
@@ -19,9 +21,30 @@ pub fn planner(blocks: u32, world: u32, lazy: bool) -> Planner {
     )
 }
 
-/// `n` block hashes of prompt family `family`: two families never share a hash.
+/// `n` block hashes of prompt family `family`: two families never share a hash. Readable
+/// in assertions; a list mixing families is not chained (see [`chained`]).
 pub fn hashes(family: u128, n: u128) -> Vec<BlockHash> {
     (0..n).map(|i| BlockHash(family * 1000 + i)).collect()
+}
+
+/// The chained hashes of blocks with `content`, after the block hashed `parent`: each
+/// covers its block and every block before it, as a server's hashes do, so two lists
+/// share a hash only where they share the whole prefix.
+pub fn chained(
+    parent: Option<BlockHash>,
+    content: impl IntoIterator<Item = u64>,
+) -> Vec<BlockHash> {
+    let mut prev = parent;
+    content
+        .into_iter()
+        .map(|c| {
+            let mut h = DefaultHasher::new();
+            (prev, c).hash(&mut h);
+            let next = BlockHash(u128::from(h.finish()));
+            prev = Some(next);
+            next
+        })
+        .collect()
 }
 
 /// The index key of `hash` in the planner's group.
