@@ -30,11 +30,12 @@ enum Op {
     /// A new request over prompt family `0` (requests of one family share their
     /// prefix), `1` blocks long, plus a block of its own when `2`.
     Arrive(u8, u8, bool),
-    Lookup(u8),
+    /// The server asks for the CPU hit after a GPU prefix hit of `1` blocks.
+    Lookup(u8, u8),
     /// Allocate with the given fraction (0..=4 quarters) of the hit accepted, looking
-    /// the request up first when `2` (as vLLM does within one scheduler step) or using
-    /// its last lookup.
-    Alloc(u8, u8, bool),
+    /// the request up first (GPU prefix hit of `3` blocks) when `2`, as vLLM does within
+    /// one scheduler step, or using its last lookup.
+    Alloc(u8, u8, bool, u8),
     /// Compute `1` more blocks in the coming step.
     Run(u8, u8),
     /// The server truncates the request's hashes to its computed blocks and regrows
@@ -53,9 +54,9 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0u8..2, 1u8..8, any::<bool>()).prop_map(|(f, n, u)| Op::Arrive(f, n, u)),
-        4 => any::<u8>().prop_map(Op::Lookup),
-        3 => (any::<u8>(), 0u8..5, prop::bool::weighted(0.75))
-            .prop_map(|(r, q, fresh)| Op::Alloc(r, q, fresh)),
+        4 => (any::<u8>(), 0u8..3).prop_map(|(r, g)| Op::Lookup(r, g)),
+        3 => (any::<u8>(), 0u8..5, prop::bool::weighted(0.75), 0u8..3)
+            .prop_map(|(r, q, fresh, g)| Op::Alloc(r, q, fresh, g)),
         4 => (any::<u8>(), 1u8..4).prop_map(|(r, n)| Op::Run(r, n)),
         1 => (any::<u8>(), 0u8..3, 1u8..4).prop_map(|(r, f, n)| Op::Rewrite(r, f, n)),
         2 => any::<u8>().prop_map(Op::Finish),
@@ -83,6 +84,8 @@ struct ModelReq {
     computed: usize,
     allocated: bool,
     offered: usize,
+    /// Blocks of the GPU prefix hit the last lookup started after.
+    gpu_hit: usize,
     loading: bool,
     finished: bool,
     /// A reset happened between the lookup and the allocation.
@@ -167,32 +170,38 @@ impl Model {
                     computed: 0,
                     allocated: false,
                     offered: 0,
+                    gpu_hit: 0,
                     loading: false,
                     finished: false,
                     stale: false,
                     preempted: false,
                 });
             }
-            Op::Lookup(i) => {
+            Op::Lookup(i, gpu_hit) => {
                 if let Some(k) = self.pick(i, |r, _| !r.allocated && !r.finished) {
-                    self.lookup(k)?;
+                    self.lookup(k, gpu_hit.into())?;
                 }
             }
-            Op::Alloc(i, quarters, fresh) => {
+            Op::Alloc(i, quarters, fresh, gpu_hit) => {
                 let Some(k) = self.pick(i, |r, _| !r.allocated && !r.finished) else {
                     return Ok(());
                 };
                 if fresh {
-                    self.lookup(k)?;
+                    self.lookup(k, gpu_hit.into())?;
                 }
                 let r = &mut self.reqs[k];
                 let accept = (r.offered / BS * usize::from(quarters) / 4) * BS;
                 r.gpu = (self.next_gpu..self.next_gpu + r.hashes.len() as u32 + 1).collect();
                 self.next_gpu += r.gpu.len() as u32;
-                self.p.on_alloc(&r.id, &r.gpu, 0, accept).unwrap();
+                // The GPU prefix cache held the first blocks: they are in the new table.
+                for b in 0..r.gpu_hit {
+                    self.gpu_mem.insert(r.gpu[b], r.hashes[b]);
+                }
+                let computed = r.gpu_hit * BS;
+                self.p.on_alloc(&r.id, &r.gpu, computed, accept).unwrap();
                 r.allocated = true;
                 r.loading = accept > 0;
-                r.computed = accept;
+                r.computed = computed + accept;
                 self.step.push(Scheduled {
                     req: k,
                     kind: if r.preempted {
@@ -200,7 +209,7 @@ impl Model {
                     } else {
                         ScheduleKind::New
                     },
-                    computed: 0,
+                    computed,
                     gpu: r.gpu.clone(),
                 });
             }
@@ -226,19 +235,25 @@ impl Model {
                 r.computed = end * BS;
             }
             Op::Rewrite(i, family, n) => {
-                let Some(k) = self.pick(i, |r, stepped| {
-                    r.allocated && !r.loading && !r.finished && !stepped
-                }) else {
+                let Some(k) = self.pick(i, |r, stepped| !r.loading && !r.finished && !stepped)
+                else {
                     return Ok(());
                 };
                 let r = &mut self.reqs[k];
                 // vLLM's `_update_request_as_session`: keep the computed blocks' hashes,
-                // regrow with the next chunk. The block table keeps its size, so the
-                // list never outgrows it.
+                // regrow with the next chunk. An allocated request's block table keeps its
+                // size, so the list never outgrows it; a waiting one (nothing computed) is
+                // looked up again before it is allocated.
                 let family = (u64::from(family) + r.family - 1) % 3 + 1;
                 r.family = family;
                 let keep = r.computed / BS;
-                let len = (keep + usize::from(n)).min(r.gpu.len() - 1);
+                let mut len = keep + usize::from(n);
+                if r.allocated {
+                    len = len.min(r.gpu.len() - 1);
+                } else {
+                    r.offered = 0;
+                    r.gpu_hit = 0;
+                }
                 r.hashes.truncate(keep);
                 let regrown = (keep as u64..len as u64).map(|b| block(family, b));
                 let tail = chained(r.hashes.last().copied(), regrown);
@@ -276,6 +291,7 @@ impl Model {
                 r.preempted = true;
                 r.computed = 0;
                 r.offered = 0;
+                r.gpu_hit = 0;
             }
             Op::Reset => {
                 self.p.reset();
@@ -290,14 +306,19 @@ impl Model {
         Ok(())
     }
 
-    /// The server asks for request `k`'s CPU hit.
-    fn lookup(&mut self, k: usize) -> Result<(), TestCaseError> {
+    /// The server asks for request `k`'s CPU hit after a GPU prefix hit of `gpu_hit`
+    /// blocks (at most its whole prompt but the last token).
+    fn lookup(&mut self, k: usize, gpu_hit: usize) -> Result<(), TestCaseError> {
         let r = &mut self.reqs[k];
         let tokens = r.hashes.len() * BS + 1;
-        let hit = self.p.lookup(&r.id, &r.hashes, tokens, 0).unwrap();
-        prop_assert!(hit % BS == 0 && hit < tokens);
+        let gpu_hit = gpu_hit.min(r.hashes.len());
+        let hit = self
+            .p
+            .lookup(&r.id, &r.hashes, tokens, gpu_hit * BS)
+            .unwrap();
+        prop_assert!(hit % BS == 0 && gpu_hit * BS + hit < tokens);
         // Every hit block is servable: its store completed.
-        for (b, h) in r.hashes[..hit / BS].iter().enumerate() {
+        for (b, h) in r.hashes[gpu_hit..gpu_hit + hit / BS].iter().enumerate() {
             prop_assert!(
                 self.p.cache().get_ready(&key(*h)).is_some(),
                 "hit block {} not ready",
@@ -305,6 +326,7 @@ impl Model {
             );
         }
         r.offered = hit;
+        r.gpu_hit = gpu_hit;
         r.stale = false;
         Ok(())
     }
@@ -341,7 +363,10 @@ impl Model {
             let r = self.reqs.iter().find(|r| r.id == l.req_id).unwrap();
             // Only a reset between lookup and allocation invalidates a hit.
             prop_assert!(l.valid || r.stale);
-            let expect = r.hashes[..l.cpu_blocks.len()].to_vec();
+            // The load starts where the GPU prefix hit of the request's lookup ended.
+            let start = r.gpu.iter().position(|g| l.gpu_blocks.first() == Some(g));
+            let start = start.unwrap_or(0);
+            let expect = r.hashes[start..start + l.cpu_blocks.len()].to_vec();
             self.flights.push(Flight {
                 id: l.id,
                 pairs: l.gpu_blocks.into_iter().zip(l.cpu_blocks).collect(),
