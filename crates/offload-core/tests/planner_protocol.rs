@@ -281,6 +281,32 @@ fn finished_request_waits_for_its_stores() {
 }
 
 #[test]
+fn a_request_id_reused_while_the_old_flush_runs_is_a_new_request() {
+    let mut p = planner(16, 1, false);
+    let shared = hashes(1, 2);
+    store_prompt(&mut p, "src", &shared, 0);
+    // "r" finishes with its flush in flight; the server reuses the id at once.
+    let h = hashes(2, 2);
+    step(&mut p, [new_req("r", 0, &[10, 11, 12], &h)]);
+    assert!(p.request_finished("r", &h, 32).unwrap());
+    let flush = idle_step(&mut p).store.unwrap();
+    assert_eq!(p.lookup("r", &shared, 33, 0).unwrap(), 32);
+    // The old flush retires: the old "r" is reported, the new one keeps its hit.
+    p.complete(flush.id, true).unwrap();
+    assert_eq!(p.take_completions().finished_sending, vec!["r".to_string()]);
+    assert_eq!(pinned(&p), 2);
+    p.on_alloc("r", &[20, 21, 22], 0, 32).unwrap();
+    let load = step(&mut p, [new_req("r", 0, &[20, 21, 22], &shared)])
+        .loads
+        .remove(0);
+    assert_eq!(load.gpu_blocks, vec![20, 21]);
+    p.complete(load.id, true).unwrap();
+    assert_eq!(p.take_completions().finished_recving, vec!["r".to_string()]);
+    assert!(!p.request_finished("r", &shared, 33).unwrap());
+    assert_eq!((pinned(&p), p.num_requests()), (0, 0));
+}
+
+#[test]
 fn request_aborted_while_loading_is_reported_by_recving_only() {
     let mut p = planner(16, 1, false);
     let h = hashes(1, 2);

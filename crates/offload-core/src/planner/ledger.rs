@@ -8,7 +8,7 @@ use crate::events::StoredChain;
 use crate::key::{BlockId, BuildKeyHasher};
 use crate::pool::BlockState;
 
-use super::request::Report;
+use super::request::{Report, Request};
 use super::select::StoreEntry;
 use super::types::{StepPlan, StoreJob, TransferId};
 use super::{Planner, GROUP};
@@ -17,13 +17,14 @@ use super::{Planner, GROUP};
 pub(super) enum JobKind {
     Load {
         req_id: String,
+        serial: u64,
         blocks: Vec<BlockId>,
         gpu_blocks: Vec<u32>,
         sync: bool,
     },
     Store {
         entries: Vec<StoreEntry>,
-        req_ids: Vec<String>,
+        req_ids: Vec<(String, u64)>,
         lazy_gpu_blocks: Vec<u32>,
     },
 }
@@ -90,16 +91,18 @@ impl Planner {
         }
         let id = self.ledger.next_id();
         self.stats.store_blocks += pending.entries.len() as u64;
-        for req in &pending.req_ids {
+        for (req, serial) in &pending.req_ids {
             if let Some(r) = self.requests.get_mut(req.as_str()) {
-                r.queued = false;
+                if r.serial == *serial {
+                    r.queued = false;
+                }
             }
         }
         let store = StoreJob {
             id,
             gpu_blocks: pending.gpu_blocks.clone(),
             cpu_blocks: pending.entries.iter().map(|e| e.block).collect(),
-            req_ids: pending.req_ids.clone(),
+            req_ids: pending.req_ids.iter().map(|(r, _)| r.clone()).collect(),
             flush_req_ids: pending.flush_req_ids,
         };
         let lazy_gpu_blocks = if pending.lazy {
@@ -146,6 +149,7 @@ impl Planner {
         match job.kind {
             JobKind::Load {
                 req_id,
+                serial,
                 blocks,
                 gpu_blocks,
                 sync,
@@ -160,16 +164,14 @@ impl Planner {
                 if sync {
                     return Ok(());
                 }
-                match self.requests.get_mut(&req_id) {
-                    Some(r) if r.finished.is_some() => {
+                if let Some(f) = self.finishing.get_mut(&serial) {
+                    f.load_in_flight = false;
+                    self.retire_if_done(serial);
+                } else {
+                    if let Some(r) = self.live_mut(&req_id, serial) {
                         r.load_in_flight = false;
-                        self.retire_if_done(&req_id);
                     }
-                    Some(r) => {
-                        r.load_in_flight = false;
-                        self.completions.finished_recving.push(req_id);
-                    }
-                    None => self.completions.finished_recving.push(req_id),
+                    self.completions.finished_recving.push(req_id);
                 }
             }
             JobKind::Store {
@@ -186,11 +188,13 @@ impl Planner {
                     self.publish(&entries);
                 }
                 self.completions.released_gpu_blocks.extend(lazy_gpu_blocks);
-                for req in &req_ids {
-                    if let Some(r) = self.requests.get_mut(req) {
+                for (req, serial) in &req_ids {
+                    if let Some(f) = self.finishing.get_mut(serial) {
+                        f.stores_in_flight = f.stores_in_flight.saturating_sub(1);
+                        self.retire_if_done(*serial);
+                    } else if let Some(r) = self.live_mut(req, *serial) {
                         r.stores_in_flight = r.stores_in_flight.saturating_sub(1);
                     }
-                    self.retire_if_done(req);
                 }
             }
         }
@@ -212,18 +216,27 @@ impl Planner {
         chain.flush(self.cache.events_mut());
     }
 
-    pub(super) fn retire_if_done(&mut self, req: &str) {
-        let report = match self.requests.get(req) {
-            Some(r) if r.stores_in_flight == 0 && !r.load_in_flight => r.finished,
-            _ => None,
-        };
-        let Some(report) = report else {
+    /// The live request `req` if it is the one with `serial` (not a newer request that
+    /// reuses the id).
+    fn live_mut(&mut self, req: &str, serial: u64) -> Option<&mut Request> {
+        self.requests.get_mut(req).filter(|r| r.serial == serial)
+    }
+
+    /// Reports a finished request to the server once nothing uses its blocks.
+    fn retire_if_done(&mut self, serial: u64) {
+        let done = self
+            .finishing
+            .get(&serial)
+            .is_some_and(|f| f.stores_in_flight == 0 && !f.load_in_flight);
+        if !done {
+            return;
+        }
+        let Some(f) = self.finishing.remove(&serial) else {
             return;
         };
-        self.requests.remove(req);
-        match report {
-            Report::Sending => self.completions.finished_sending.push(req.to_string()),
-            Report::Recving => self.completions.finished_recving.push(req.to_string()),
+        match f.report {
+            Report::Sending => self.completions.finished_sending.push(f.req_id),
+            Report::Recving => self.completions.finished_recving.push(f.req_id),
         }
     }
 }

@@ -6,7 +6,7 @@ use crate::key::BlockKey;
 use super::ledger::{Job, JobKind};
 use super::request::Hit;
 use super::types::{HashSource, LoadJob};
-use super::{Planner, GROUP};
+use super::{live_entry, Planner, GROUP};
 
 /// Blocks per round of the probe pipeline in a fresh lookup: enough independent loads to
 /// fill the memory pipeline, few enough that a miss early in a chunk wastes little.
@@ -31,7 +31,7 @@ impl Planner {
     ) -> Result<usize, PlanError> {
         let bs = self.block_size();
         self.stats.lookups += 1;
-        let r = self.requests.entry_ref(req).or_default();
+        let r = live_entry(&mut self.requests, &mut self.next_serial, req);
         if num_computed_tokens % bs != 0 || self.cache.capacity() == 0 {
             r.release_hit(&mut self.cache);
             return Ok(0);
@@ -205,11 +205,13 @@ impl Planner {
             valid,
             sync,
         });
+        let serial = r.serial;
         self.ledger.insert(
             id,
             Job::new(
                 JobKind::Load {
                     req_id: req.to_string(),
+                    serial,
                     blocks,
                     gpu_blocks: gpu,
                     sync,

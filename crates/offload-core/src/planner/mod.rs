@@ -33,7 +33,7 @@ use crate::error::PlanError;
 use crate::events::{KvEvent, PlannerStats};
 
 use ledger::Ledger;
-use request::{Report, Request};
+use request::{Finishing, Report, Request};
 use select::{select_eager, select_lazy, PendingStore};
 
 pub use types::{
@@ -86,6 +86,9 @@ pub struct Planner {
     // Request ids can be chosen by clients (an HTTP `X-Request-Id`): a keyed hasher
     // keeps crafted ids from degrading the map.
     requests: HashMap<String, Request, RandomState>,
+    /// Finished requests whose transfers still run, by serial.
+    finishing: HashMap<u64, Finishing, RandomState>,
+    next_serial: u64,
     ledger: Ledger,
     pending_loads: Vec<LoadJob>,
     pending_store: PendingStore,
@@ -105,6 +108,8 @@ impl Planner {
             cache: BlockCache::new(cfg.num_cpu_blocks, cfg.events),
             cfg,
             requests: HashMap::with_hasher(RandomState::default()),
+            finishing: HashMap::with_hasher(RandomState::default()),
+            next_serial: 0,
             ledger: Ledger::new(),
             pending_loads: Vec::new(),
             pending_store: PendingStore::default(),
@@ -153,7 +158,7 @@ impl Planner {
         let bs = self.block_size();
         let mut first_err = None;
         for s in scheduled {
-            let r = self.requests.entry_ref(s.req_id).or_default();
+            let r = live_entry(&mut self.requests, &mut self.next_serial, s.req_id);
             if s.kind == ScheduleKind::Running {
                 r.gpu_blocks.extend_from_slice(&s.gpu_blocks);
             } else {
@@ -213,7 +218,7 @@ impl Planner {
         num_computed_tokens: usize,
     ) -> Result<bool, PlanError> {
         let bs = self.block_size();
-        let Some(r) = self.requests.get_mut(req) else {
+        let Some(mut r) = self.requests.remove(req) else {
             return Ok(false);
         };
         let confirmed = num_computed_tokens / bs;
@@ -223,7 +228,7 @@ impl Planner {
                 Ok(usable) => {
                     if select_eager(
                         req,
-                        r,
+                        &mut r,
                         usable,
                         &mut self.cache,
                         &mut self.pending_store,
@@ -241,18 +246,27 @@ impl Planner {
             }
         }
         r.release_hit(&mut self.cache);
-        let keep = if r.load_in_flight {
-            // vLLM keeps the blocks of a request aborted while loading until
-            // `finished_recving`; that report waits for its stores too.
-            r.finished = Some(Report::Recving);
-            false
+        // vLLM keeps the blocks of a request aborted while loading until
+        // `finished_recving`; that report waits for its stores too.
+        let report = if r.load_in_flight {
+            Some(Report::Recving)
         } else if r.stores_in_flight > 0 {
-            r.finished = Some(Report::Sending);
-            true
+            Some(Report::Sending)
         } else {
-            self.requests.remove(req);
-            false
+            None
         };
+        if let Some(report) = report {
+            self.finishing.insert(
+                r.serial,
+                Finishing {
+                    req_id: req.to_string(),
+                    stores_in_flight: r.stores_in_flight,
+                    load_in_flight: r.load_in_flight,
+                    report,
+                },
+            );
+        }
+        let keep = report == Some(Report::Sending);
         err.map_or(Ok(keep), Err)
     }
 
@@ -306,12 +320,28 @@ impl Planner {
         !self.pending_loads.is_empty() || !self.pending_store.is_empty()
     }
 
-    /// Number of requests the planner tracks.
+    /// Number of requests the planner tracks (finished ones included until their
+    /// transfers retire).
     pub fn num_requests(&self) -> usize {
-        self.requests.len()
+        self.requests.len() + self.finishing.len()
     }
 
     fn block_size(&self) -> usize {
         self.cfg.block_size as usize
+    }
+}
+
+/// The live request `req`, created with a fresh serial on first use.
+fn live_entry<'a>(
+    requests: &'a mut HashMap<String, Request, RandomState>,
+    next_serial: &mut u64,
+    req: &str,
+) -> &'a mut Request {
+    match requests.entry_ref(req) {
+        hashbrown::hash_map::EntryRef::Occupied(e) => e.into_mut(),
+        hashbrown::hash_map::EntryRef::Vacant(e) => {
+            *next_serial += 1;
+            e.insert(Request::new(*next_serial))
+        }
     }
 }

@@ -34,6 +34,9 @@ pub(super) enum Report {
 
 #[derive(Debug, Default)]
 pub(super) struct Request {
+    /// Tells this request apart from an earlier one with the same id whose transfers
+    /// are still in flight (ids are the server's, and servers may reuse them).
+    pub(super) serial: u64,
     /// A prefix of the server's hash list, as of the last check (see [`Self::sync`]).
     pub(super) hashes: Vec<BlockHash>,
     pub(super) gpu_blocks: Vec<u32>,
@@ -42,13 +45,28 @@ pub(super) struct Request {
     pub(super) hit: Option<Hit>,
     pub(super) stores_in_flight: u32,
     pub(super) load_in_flight: bool,
-    /// `request_finished` was called; report it this way once nothing is in flight.
-    pub(super) finished: Option<Report>,
     /// Part of the store job being assembled for the next step.
     pub(super) queued: bool,
 }
 
+/// A request that finished while transfers still used its GPU blocks: reported to the
+/// server once the last one retires.
+#[derive(Debug)]
+pub(super) struct Finishing {
+    pub(super) req_id: String,
+    pub(super) stores_in_flight: u32,
+    pub(super) load_in_flight: bool,
+    pub(super) report: Report,
+}
+
 impl Request {
+    pub(super) fn new(serial: u64) -> Self {
+        Self {
+            serial,
+            ..Self::default()
+        }
+    }
+
     /// Makes the first `min(need, src.num_hashes())` known hashes equal to the source's,
     /// reading only what is new or needed to prove the rest unchanged; returns how many
     /// are usable (`min(need, src.num_hashes())`).

@@ -22,7 +22,8 @@ pub(super) struct StoreEntry {
 pub(super) struct PendingStore {
     pub(super) entries: Vec<StoreEntry>,
     pub(super) gpu_blocks: Vec<u32>,
-    pub(super) req_ids: Vec<String>,
+    /// Requests whose blocks are read, with their serials.
+    pub(super) req_ids: Vec<(String, u64)>,
     pub(super) flush_req_ids: Vec<String>,
     pub(super) lazy: bool,
 }
@@ -78,7 +79,7 @@ pub(super) fn select_eager(
     if selected && !r.queued {
         r.queued = true;
         r.stores_in_flight += 1;
-        pending.req_ids.push(req.to_string());
+        pending.req_ids.push((req.to_string(), r.serial));
     }
     r.queued
 }
