@@ -6,6 +6,8 @@
 //! that were stored for its hashes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
@@ -15,29 +17,14 @@ use offload_core::transfer::{
 };
 use offload_core::{BlockHash, Planner, PlannerConfig};
 
+use common::rng::Rng;
+use common::transfer::FakeGpu;
+
 const BS: usize = 16;
 const GPU_BLOCKS: u32 = 96;
 const CPU_BLOCKS: u32 = 40;
 const BLOCK_BYTES: usize = 64;
 const REGIONS: usize = 2;
-
-/// xorshift64*: deterministic, dependency-free randomness per seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 /// What a block holding `hash` contains in `region`: derived from the hash alone.
 fn pattern(hash: BlockHash, region: usize) -> [u8; BLOCK_BYTES] {
@@ -49,65 +36,40 @@ fn pattern(hash: BlockHash, region: usize) -> [u8; BLOCK_BYTES] {
     out
 }
 
-/// Simulated GPU memory, accessed only through raw pointers so the copy thread's reads
-/// and writes of other blocks never alias a Rust reference.
-struct GpuMemory {
-    /// Owns the memory behind `ptrs`.
-    _bufs: Vec<Vec<u8>>,
-    ptrs: Vec<*mut u8>,
-}
+/// Simulated GPU memory: one fake device buffer per region.
+struct GpuMemory(Vec<FakeGpu>);
 
 impl GpuMemory {
     fn new() -> Self {
-        let mut bufs: Vec<Vec<u8>> = (0..REGIONS)
-            .map(|_| vec![0u8; GPU_BLOCKS as usize * BLOCK_BYTES])
-            .collect();
-        let ptrs = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
-        Self { _bufs: bufs, ptrs }
+        Self(
+            (0..REGIONS)
+                .map(|_| FakeGpu::new(GPU_BLOCKS as usize * BLOCK_BYTES))
+                .collect(),
+        )
     }
 
     fn regions(&self) -> Vec<RegionSpec> {
-        self.ptrs
+        self.0
             .iter()
-            .map(|p| {
-                // SAFETY: the buffers live in `self`, which the test keeps alive (and
-                // unmoved, the heap allocations never move) until the engine is dropped;
-                // blocks in flight are never touched by the test (see `write`).
-                unsafe { RegionSpec::new(*p as u64, GPU_BLOCKS, BLOCK_BYTES, BLOCK_BYTES) }.unwrap()
-            })
+            .map(|buf| buf.region(GPU_BLOCKS, BLOCK_BYTES, BLOCK_BYTES))
             .collect()
     }
 
-    /// The forward pass computing block `gpu` as `hash`.
+    /// The forward pass computing block `gpu` as `hash`. No transfer in flight reads or
+    /// writes this block (the harness fences stores of preempted requests and frees blocks
+    /// only after their stores completed).
     fn write(&self, gpu: u32, hash: BlockHash) {
-        for (r, p) in self.ptrs.iter().enumerate() {
-            let src = pattern(hash, r);
-            // SAFETY: in bounds; no transfer in flight reads or writes this block (the
-            // harness fences stores of preempted requests and frees blocks only after
-            // their stores completed).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    src.as_ptr(),
-                    p.add(gpu as usize * BLOCK_BYTES),
-                    BLOCK_BYTES,
-                )
-            };
+        for (r, buf) in self.0.iter().enumerate() {
+            buf.write(gpu as usize * BLOCK_BYTES, &pattern(hash, r));
         }
     }
 
+    /// Whether block `gpu` holds `hash`'s bytes; the load that wrote it has completed.
     fn holds(&self, gpu: u32, hash: BlockHash) -> bool {
-        (0..REGIONS).all(|r| {
-            let mut got = [0u8; BLOCK_BYTES];
-            // SAFETY: in bounds; the load that wrote this block has completed.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.ptrs[r].add(gpu as usize * BLOCK_BYTES),
-                    got.as_mut_ptr(),
-                    BLOCK_BYTES,
-                )
-            };
-            got == pattern(hash, r)
-        })
+        self.0
+            .iter()
+            .enumerate()
+            .all(|(r, buf)| buf.read(gpu as usize * BLOCK_BYTES, BLOCK_BYTES) == pattern(hash, r))
     }
 }
 
@@ -159,7 +121,7 @@ impl Harness {
         )
         .unwrap();
         Self {
-            rng: Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
+            rng: Rng::new(seed),
             planner: Planner::new(PlannerConfig {
                 block_size: BS as u32,
                 num_cpu_blocks: CPU_BLOCKS,

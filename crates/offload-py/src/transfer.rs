@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use offload_core::transfer::{
-    BackendKind, Completion, CudaOptions, Direction, FaultPlan, RegionSpec, TransferConfig,
-    TransferEngine, TransferError, TransferJob,
+    BackendKind, BlockAccessError, BuildError, Completion, CudaOptions, Direction, FaultPlan,
+    ReadyError, RegionSpec, SubmitError, TransferConfig, TransferEngine, TransferJob,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -17,28 +17,45 @@ use crate::errors::{
 /// `(transfer_id, ok, error message or None)`.
 type CompletionTuple = (u64, bool, Option<String>);
 
-/// Maps each transfer error kind to its class.
-pub(crate) fn transfer_err(e: TransferError) -> PyErr {
+/// Maps an engine construction error to its class.
+fn build_err(e: BuildError) -> PyErr {
     let msg = e.to_string();
     match e {
-        TransferError::InvalidBlock { .. }
-        | TransferError::DuplicateDestination { .. }
-        | TransferError::DuplicateJobId { .. }
-        | TransferError::InvalidRegion { .. }
-        | TransferError::NoSuchRegion { .. }
-        | TransferError::InvalidConfig { .. } => INVALID_INPUT_ERROR.err(msg),
-        TransferError::QueueFull { .. } => QUEUE_FULL_ERROR.err(msg),
-        TransferError::Shutdown { .. } | TransferError::ShutdownTimeout { .. } => {
-            ENGINE_SHUTDOWN_ERROR.err(msg)
+        BuildError::InvalidConfig { .. } => INVALID_INPUT_ERROR.err(msg),
+        BuildError::Memory(_) => HOST_MEMORY_ERROR.err(msg),
+        BuildError::Cuda(_) => DEVICE_ERROR.err(msg),
+        _ => TRANSFER_ERROR.err(msg),
+    }
+}
+
+/// Maps a refused submit to its class.
+fn submit_err(e: SubmitError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        SubmitError::DuplicateJobId { .. } => INVALID_INPUT_ERROR.err(msg),
+        SubmitError::QueueFull { .. } => QUEUE_FULL_ERROR.err(msg),
+        SubmitError::Shutdown { .. } => ENGINE_SHUTDOWN_ERROR.err(msg),
+        _ => DEVICE_ERROR.err(msg),
+    }
+}
+
+/// Maps a refused host-block access to its class.
+fn block_err(e: BlockAccessError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        BlockAccessError::NoSuchRegion { .. } | BlockAccessError::InvalidBlock { .. } => {
+            INVALID_INPUT_ERROR.err(msg)
         }
-        TransferError::Backend { .. } | TransferError::Fatal { .. } | TransferError::Cuda(_) => {
-            DEVICE_ERROR.err(msg)
-        }
-        TransferError::Memory(_) => HOST_MEMORY_ERROR.err(msg),
-        TransferError::ThreadSpawn { .. }
-        | TransferError::Timeout { .. }
-        | TransferError::Busy { .. }
-        | TransferError::NotReady { .. } => TRANSFER_ERROR.err(msg),
+        _ => TRANSFER_ERROR.err(msg),
+    }
+}
+
+/// Maps a `wait_ready` failure to its class.
+fn ready_err(e: ReadyError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        ReadyError::NotReady { .. } => TRANSFER_ERROR.err(msg),
+        _ => DEVICE_ERROR.err(msg),
     }
 }
 
@@ -131,7 +148,7 @@ impl PyTransferEngine {
                 unsafe { RegionSpec::new(base, n, bytes, stride) }
             })
             .collect::<Result<Vec<_>, _>>()
-            .map_err(transfer_err)?;
+            .map_err(|e| INVALID_INPUT_ERROR.err(e.to_string()))?;
         let mut config = TransferConfig {
             faults,
             ..TransferConfig::default()
@@ -139,7 +156,7 @@ impl PyTransferEngine {
         config.memory.hugepages = hugepages;
         let inner = py
             .detach(|| TransferEngine::open(specs, num_cpu_blocks, config, kind))
-            .map_err(transfer_err)?;
+            .map_err(build_err)?;
         Ok(Self { inner })
     }
 
@@ -176,7 +193,7 @@ impl PyTransferEngine {
             pairs: gpu.into_iter().zip(cpu).collect(),
             wait_event,
         };
-        py.detach(|| self.inner.submit(job)).map_err(transfer_err)
+        py.detach(|| self.inner.submit(job)).map_err(submit_err)
     }
 
     /// Completions received so far, without blocking.
@@ -197,7 +214,7 @@ impl PyTransferEngine {
         let timeout = duration(timeout_s, "timeout_s")?;
         let done = py
             .detach(|| self.inner.wait_for(&transfer_ids, timeout))
-            .map_err(transfer_err)?;
+            .map_err(|e| TRANSFER_ERROR.err(e.to_string()))?;
         Ok(done.into_iter().map(completion_tuple).collect())
     }
 
@@ -206,7 +223,8 @@ impl PyTransferEngine {
     fn shutdown(&mut self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
         let timeout = duration(timeout_s, "timeout_s")?;
         let inner = &mut self.inner;
-        py.detach(|| inner.shutdown(timeout)).map_err(transfer_err)
+        py.detach(|| inner.shutdown(timeout))
+            .map_err(|e| ENGINE_SHUTDOWN_ERROR.err(e.to_string()))
     }
 
     /// Bytes of one CPU block of `region` (tests, debugging); only while nothing is in flight.
@@ -219,7 +237,7 @@ impl PyTransferEngine {
         let bytes = self
             .inner
             .cpu_block_slice(region, cpu_block)
-            .map_err(transfer_err)?;
+            .map_err(block_err)?;
         Ok(PyBytes::new(py, bytes))
     }
 
@@ -229,7 +247,7 @@ impl PyTransferEngine {
         let block = self
             .inner
             .cpu_block_slice_mut(region, cpu_block)
-            .map_err(transfer_err)?;
+            .map_err(block_err)?;
         if data.len() != block.len() {
             return Err(INVALID_INPUT_ERROR.err(format!(
                 "write_cpu_block: {} bytes given for a {}-byte block",
@@ -279,7 +297,7 @@ impl PyTransferEngine {
     fn wait_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
         let timeout = duration(timeout_s, "timeout_s")?;
         py.detach(|| self.inner.wait_ready(timeout))
-            .map_err(transfer_err)
+            .map_err(ready_err)
     }
 
     /// Counters since construction, by name.

@@ -1,6 +1,7 @@
 //! Device-side regions and the coalescer that turns block-id pairs into byte ranges.
 
-use super::{Direction, TransferError};
+use super::error::RegionError;
+use super::types::Direction;
 
 /// One KV tensor (or one K/V half) on the device side: `num_blocks` blocks of `block_bytes`
 /// each, `block_stride` bytes apart, block 0 at address `base`.
@@ -39,8 +40,8 @@ impl RegionSpec {
         num_blocks: u32,
         block_bytes: usize,
         block_stride: usize,
-    ) -> Result<Self, TransferError> {
-        let bad = |reason: String| Err(TransferError::InvalidRegion { reason });
+    ) -> Result<Self, RegionError> {
+        let bad = |reason: String| Err(RegionError { reason });
         if base == 0 {
             return bad("base address is null".into());
         }

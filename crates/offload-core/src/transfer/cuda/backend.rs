@@ -1,0 +1,411 @@
+//! The [`CudaCopyBackend`]: context, stream, pinned host memory and events on the copy
+//! thread; job submission and completion polling.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::super::cuda_sys::{self as sys, CUresult};
+use super::super::{BackendError, CopyBackend, CopyRun, Direction, Ticket};
+use super::driver::{Api, CudaDriver};
+use super::enqueue::{build_descriptors, Descriptor};
+use super::{version_text, BatchApi, CudaError, DEFAULT_PIN_CHUNK_BYTES, PIN_CHUNK_ALIGN};
+
+/// Settings of a [`CudaCopyBackend`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Device ordinal (as PyTorch numbers it: `tensor.device.index`) whose primary context
+    /// is used.
+    pub device: i32,
+    /// Use `cuMemcpyBatchAsync` when the driver has it; `false` forces the `cuMemcpyAsync`
+    /// loop (for comparisons).
+    pub allow_batch: bool,
+    /// Most bytes pinned by one `cuMemHostRegister` call; a multiple of
+    /// [`PIN_CHUNK_ALIGN`]. Copies never cross a chunk boundary on the host side.
+    pub pin_chunk_bytes: usize,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            device: 0,
+            allow_batch: true,
+            pin_chunk_bytes: DEFAULT_PIN_CHUNK_BYTES,
+        }
+    }
+}
+
+/// A driver handle (context, stream, event) stored as an address so the backend is `Send`:
+/// the handles are opaque tokens the driver accepts from any thread whose current context
+/// owns them (the copy thread, once attached).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Handle(usize);
+
+impl Handle {
+    fn from_ptr(p: *mut c_void) -> Self {
+        Self(p as usize)
+    }
+
+    pub(super) fn ptr(self) -> *mut c_void {
+        self.0 as *mut c_void
+    }
+}
+
+/// What `attach` set up; torn down in `Drop`.
+#[derive(Debug, Default)]
+struct Attached {
+    context_retained: bool,
+    stream: Option<Handle>,
+    /// `(base, len)` of every successful `cuMemHostRegister`.
+    pinned: Vec<(u64, usize)>,
+}
+
+/// A job on the stream.
+#[derive(Debug)]
+struct InFlight {
+    event: Handle,
+    /// A copy failed after part of the job was enqueued: report it once the stream has
+    /// finished with the job's memory.
+    deferred: Option<BackendError>,
+}
+
+/// A [`CopyBackend`] over the CUDA driver. See the [module docs](super).
+#[derive(Debug)]
+pub struct CudaCopyBackend {
+    pub(super) driver: Arc<CudaDriver>,
+    options: CudaOptions,
+    device: sys::CUdevice,
+    pub(super) batch: BatchApi,
+    attached: Attached,
+    /// `(base, len)` of the engine's host memory, once attached.
+    host: Option<(u64, usize)>,
+    in_flight: HashMap<u64, InFlight>,
+    free_events: Vec<Handle>,
+    next_ticket: u64,
+    pub(super) descriptors: Vec<Descriptor>,
+    pub(super) dsts: Vec<u64>,
+    pub(super) srcs: Vec<u64>,
+    pub(super) sizes: Vec<usize>,
+}
+
+impl CudaCopyBackend {
+    /// A backend for device `options.device`. Validates the options and the ordinal
+    /// (`cuDeviceGet`) now, so a bad device fails at start; touches no context until
+    /// `attach` runs on the copy thread.
+    pub fn new(driver: Arc<CudaDriver>, options: CudaOptions) -> Result<Self, CudaError> {
+        if options.pin_chunk_bytes == 0 || options.pin_chunk_bytes % PIN_CHUNK_ALIGN != 0 {
+            return Err(CudaError::InvalidOption {
+                field: "pin_chunk_bytes",
+                value: options.pin_chunk_bytes.to_string(),
+                reason: "must be a positive multiple of 4096",
+            });
+        }
+        if options.device < 0 {
+            return Err(CudaError::InvalidOption {
+                field: "device",
+                value: options.device.to_string(),
+                reason: "must be >= 0",
+            });
+        }
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: `device` is a valid out-pointer; the ordinal is passed by value.
+        let rc = unsafe { (driver.api.device_get)(&mut device, options.device) };
+        driver.check(&format!("cuDeviceGet(ordinal {})", options.device), rc)?;
+        let batch = if options.allow_batch {
+            driver.batch_api()
+        } else {
+            BatchApi::Unavailable
+        };
+        Ok(Self {
+            driver,
+            options,
+            device,
+            batch,
+            attached: Attached::default(),
+            host: None,
+            in_flight: HashMap::new(),
+            free_events: Vec::new(),
+            next_ticket: 0,
+            descriptors: Vec::new(),
+            dsts: Vec::new(),
+            srcs: Vec::new(),
+            sizes: Vec::new(),
+        })
+    }
+
+    /// Loads the driver ([`CudaDriver::load`]) and builds a backend on it.
+    pub fn open(options: CudaOptions) -> Result<Self, CudaError> {
+        Self::new(Arc::new(CudaDriver::load()?), options)
+    }
+
+    /// The copy path jobs use.
+    pub fn batch_api(&self) -> BatchApi {
+        self.batch
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &Arc<CudaDriver> {
+        &self.driver
+    }
+
+    pub(super) fn api(&self) -> &Api {
+        &self.driver.api
+    }
+
+    fn check(&self, call: &str, code: CUresult) -> Result<(), CudaError> {
+        self.driver.check(call, code)
+    }
+
+    fn stream(&self) -> Result<Handle, BackendError> {
+        self.attached
+            .stream
+            .ok_or_else(|| BackendError::job("cuda backend used before attach succeeded"))
+    }
+
+    fn attach_inner(&mut self, host_base: u64, host_len: usize) -> Result<(), CudaError> {
+        let api = *self.api();
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer; `device` came from `cuDeviceGet`.
+        let rc = unsafe { (api.primary_ctx_retain)(&mut ctx, self.device) };
+        self.check(
+            &format!("cuDevicePrimaryCtxRetain(device {})", self.options.device),
+            rc,
+        )?;
+        self.attached.context_retained = true;
+        // SAFETY: `ctx` is the retained primary context, valid until we release it.
+        let rc = unsafe { (api.ctx_set_current)(ctx) };
+        self.check("cuCtxSetCurrent", rc)?;
+
+        // Numerically greatest is lowest priority: copies yield to compute kernels.
+        let mut least: c_int = 0;
+        if let Some(range) = api.ctx_get_stream_priority_range {
+            let mut greatest: c_int = 0;
+            // SAFETY: both are valid out-pointers.
+            let rc = unsafe { range(&mut least, &mut greatest) };
+            self.check("cuCtxGetStreamPriorityRange", rc)?;
+        }
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: `stream` is a valid out-pointer; flags and priority are by value.
+        let rc = unsafe {
+            (api.stream_create_with_priority)(&mut stream, sys::CU_STREAM_NON_BLOCKING, least)
+        };
+        self.check(
+            &format!("cuStreamCreateWithPriority(CU_STREAM_NON_BLOCKING, priority {least})"),
+            rc,
+        )?;
+        self.attached.stream = Some(Handle::from_ptr(stream));
+
+        let started = Instant::now();
+        let chunk = self.options.pin_chunk_bytes;
+        let mut offset = 0usize;
+        while offset < host_len {
+            let len = chunk.min(host_len - offset);
+            let base = host_base.wrapping_add(offset as u64);
+            // SAFETY: `base..base+len` lies inside the engine's host mapping (`attach`'s
+            // contract), which outlives this backend; registration only pins the pages.
+            let rc = unsafe {
+                (api.mem_host_register)(
+                    base as usize as *mut c_void,
+                    len,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                )
+            };
+            self.check(
+                &format!(
+                    "cuMemHostRegister(bytes {offset}..{} of {host_len})",
+                    offset + len
+                ),
+                rc,
+            )?;
+            self.attached.pinned.push((base, len));
+            offset += len;
+        }
+        self.host = Some((host_base, host_len));
+        log::info!(
+            "kvoffload: pinned {:.2} GiB of host memory in {} chunk(s) in {:.2} s; {}",
+            host_len as f64 / f64::from(1u32 << 30),
+            self.attached.pinned.len(),
+            started.elapsed().as_secs_f64(),
+            self.describe()
+        );
+        Ok(())
+    }
+
+    fn take_event(&mut self) -> Result<Handle, CudaError> {
+        if let Some(event) = self.free_events.pop() {
+            return Ok(event);
+        }
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: `event` is a valid out-pointer.
+        let rc = unsafe { (self.api().event_create)(&mut event, sys::CU_EVENT_DISABLE_TIMING) };
+        self.check("cuEventCreate(CU_EVENT_DISABLE_TIMING)", rc)?;
+        Ok(Handle::from_ptr(event))
+    }
+
+    fn destroy_event(&self, event: Handle) {
+        // SAFETY: `event` was created by `cuEventCreate` and is destroyed once.
+        let rc = unsafe { (self.api().event_destroy)(event.ptr()) };
+        if let Err(err) = self.check("cuEventDestroy", rc) {
+            log::debug!("{err}");
+        }
+    }
+}
+
+impl CopyBackend for CudaCopyBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "cuda (driver {}, device {}, {})",
+            version_text(self.driver.version()),
+            self.options.device,
+            self.batch.symbol()
+        )
+    }
+
+    fn attach(&mut self, host_base: u64, host_len: usize) -> Result<(), BackendError> {
+        // Any failure here is fatal to the engine anyway; keep the driver's words.
+        self.attach_inner(host_base, host_len)
+            .map_err(|e| BackendError::fatal(e.to_string()))
+    }
+
+    fn wait_event(&mut self, event: u64) -> Result<(), BackendError> {
+        let stream = self.stream()?;
+        let handle = usize::try_from(event)
+            .map_err(|_| BackendError::job(format!("event handle {event:#x} exceeds usize")))?;
+        if handle == 0 {
+            return Err(BackendError::job("wait event handle is null"));
+        }
+        // SAFETY: the caller passes a live event handle (`TransferJob::wait_event`'s
+        // contract); the driver validates it and fails with INVALID_HANDLE otherwise.
+        let rc = unsafe {
+            (self.api().stream_wait_event)(
+                stream.ptr(),
+                Handle(handle).ptr(),
+                sys::CU_EVENT_WAIT_DEFAULT,
+            )
+        };
+        self.check(&format!("cuStreamWaitEvent(event {event:#x})"), rc)
+            .map_err(BackendError::from)
+    }
+
+    unsafe fn submit(
+        &mut self,
+        direction: Direction,
+        runs: &[CopyRun],
+    ) -> Result<Ticket, BackendError> {
+        let stream = self.stream()?;
+        let host = self
+            .host
+            .map(|(base, len)| (base, len, self.options.pin_chunk_bytes));
+        let mut descriptors = std::mem::take(&mut self.descriptors);
+        build_descriptors(runs, direction, host, &mut descriptors);
+        self.descriptors = descriptors;
+        let copied = if self.descriptors.is_empty() {
+            Ok(())
+        } else {
+            // SAFETY: the descriptors cover exactly the bytes of `runs`, for which our caller
+            // upholds `submit`'s contract.
+            unsafe { self.enqueue(stream) }
+        };
+        if let Err(err) = &copied {
+            if err.is_sticky() {
+                return Err(err.clone().into());
+            }
+        }
+        let deferred = copied.err().map(BackendError::from);
+        let event = self.take_event().map_err(BackendError::from)?;
+        // SAFETY: both handles are ours and alive.
+        let rc = unsafe { (self.api().event_record)(event.ptr(), stream.ptr()) };
+        if let Err(err) = self.check("cuEventRecord", rc) {
+            self.destroy_event(event);
+            if deferred.is_some() {
+                // Part of the job may be enqueued: it must finish before the engine lets
+                // anyone reuse the job's memory.
+                // SAFETY: our stream.
+                let rc = unsafe { (self.api().stream_synchronize)(stream.ptr()) };
+                if let Err(sync) = self.check("cuStreamSynchronize", rc) {
+                    log::warn!("after a failed copy: {sync}");
+                }
+            }
+            return Err(deferred.unwrap_or_else(|| err.into()));
+        }
+        let ticket = self.next_ticket;
+        self.next_ticket = self.next_ticket.wrapping_add(1);
+        self.in_flight.insert(ticket, InFlight { event, deferred });
+        Ok(Ticket(ticket))
+    }
+
+    fn query(&mut self, ticket: Ticket) -> Result<bool, BackendError> {
+        let Some(job) = self.in_flight.get(&ticket.0) else {
+            return Err(BackendError::job(format!(
+                "unknown cuda ticket {}",
+                ticket.0
+            )));
+        };
+        let event = job.event;
+        // SAFETY: a live event of ours.
+        let rc = unsafe { (self.api().event_query)(event.ptr()) };
+        match rc {
+            sys::CUDA_ERROR_NOT_READY => Ok(false),
+            sys::CUDA_SUCCESS => {
+                let deferred = self.in_flight.remove(&ticket.0).and_then(|j| j.deferred);
+                self.free_events.push(event);
+                match deferred {
+                    Some(err) => Err(err),
+                    None => Ok(true),
+                }
+            }
+            code => {
+                self.in_flight.remove(&ticket.0);
+                self.destroy_event(event);
+                Err(self.driver.error("cuEventQuery".into(), code).into())
+            }
+        }
+    }
+}
+
+impl Drop for CudaCopyBackend {
+    fn drop(&mut self) {
+        let api = *self.api();
+        if let Some(stream) = self.attached.stream.take() {
+            // Nothing may still be copying into memory we are about to unpin.
+            // SAFETY: our stream.
+            let rc = unsafe { (api.stream_synchronize)(stream.ptr()) };
+            if let Err(err) = self.check("cuStreamSynchronize", rc) {
+                log::warn!("cuda backend shutdown: {err}");
+            }
+            let events: Vec<Handle> = self
+                .in_flight
+                .drain()
+                .map(|(_, job)| job.event)
+                .chain(self.free_events.drain(..))
+                .collect();
+            for event in events {
+                self.destroy_event(event);
+            }
+            // SAFETY: our stream, destroyed once.
+            let rc = unsafe { (api.stream_destroy)(stream.ptr()) };
+            if let Err(err) = self.check("cuStreamDestroy", rc) {
+                log::debug!("{err}");
+            }
+        }
+        for (base, len) in std::mem::take(&mut self.attached.pinned) {
+            // SAFETY: `base` is the start of a range we registered and have not unregistered.
+            let rc = unsafe { (api.mem_host_unregister)(base as usize as *mut c_void) };
+            if let Err(err) = self.check(&format!("cuMemHostUnregister({len} bytes)"), rc) {
+                log::warn!("cuda backend shutdown: {err}");
+            }
+        }
+        if std::mem::take(&mut self.attached.context_retained) {
+            // SAFETY: balances the successful retain in `attach`.
+            let rc = unsafe { (api.primary_ctx_release)(self.device) };
+            if let Err(err) = self.check("cuDevicePrimaryCtxRelease", rc) {
+                log::debug!("{err}");
+            }
+        }
+    }
+}
