@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::{
-    CONFIG_ERROR, DEVICE_ERROR, ENGINE_SHUTDOWN_ERROR, HOST_MEMORY_ERROR, INVALID_INPUT_ERROR,
+    config_err, DEVICE_ERROR, ENGINE_SHUTDOWN_ERROR, HOST_MEMORY_ERROR, INVALID_INPUT_ERROR,
     QUEUE_FULL_ERROR, TRANSFER_ERROR,
 };
 
@@ -122,9 +122,9 @@ impl PyTransferEngine {
         faults: Option<&str>,
     ) -> PyResult<Self> {
         let faults = faults
-            .map(FaultPlan::parse)
+            .map(FaultPlan::from_config_value)
             .transpose()
-            .map_err(|e| CONFIG_ERROR.err(format!("kvoffload.faults: {e}")))?
+            .map_err(config_err)?
             .unwrap_or_default();
         let kind = match backend {
             "host" => BackendKind::Host,

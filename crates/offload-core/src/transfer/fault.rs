@@ -9,6 +9,8 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use super::{BackendError, CopyBackend, CopyRun, Direction, Ticket};
+use crate::config::KEY_FAULTS;
+use crate::error::ConfigError;
 
 /// Which copies fail and how long completions are held back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -69,6 +71,26 @@ impl FaultPlan {
             }
         }
         Ok(plan)
+    }
+
+    /// Parses the value of the config key [`KEY_FAULTS`] (kept raw by
+    /// [`OffloadConfig::faults`](crate::OffloadConfig::faults)); the error names the key and
+    /// the value.
+    ///
+    /// ```
+    /// use offload_core::transfer::FaultPlan;
+    ///
+    /// assert_eq!(FaultPlan::from_config_value("fatal_after=4")?.fatal_after, 4);
+    /// let err = FaultPlan::from_config_value("explode=1").unwrap_err().to_string();
+    /// assert!(err.contains("kvoffload.faults") && err.contains("explode=1"), "{err}");
+    /// # Ok::<(), offload_core::ConfigError>(())
+    /// ```
+    pub fn from_config_value(spec: &str) -> Result<Self, ConfigError> {
+        Self::parse(spec).map_err(|e| ConfigError::InvalidValue {
+            key: KEY_FAULTS.to_string(),
+            value: format!("{spec:?} ({e})"),
+            reason: "expected comma-separated key=value items (see FaultPlan::parse)",
+        })
     }
 
     /// Whether the plan injects anything.
