@@ -789,3 +789,42 @@ fn an_invalid_wait_event_fails_only_its_job() {
     );
     assert_eq!(run_one(&engine, store(2, &[(0, 0)])).result, Ok(()));
 }
+
+#[test]
+fn a_failed_event_record_after_the_copies_were_enqueued_is_reported_after_they_ran() {
+    let fake = Fake::full();
+    let block = 64;
+    let gpu = FakeGpu::new(8 * block);
+    gpu.bytes_mut().fill(0x5A);
+    let mut engine = engine(
+        vec![gpu.region(8, block, block)],
+        8,
+        fake.backend(CudaOptions::default()),
+    );
+    // The store's copy is enqueued behind the compute event, so it cannot run yet, and then
+    // recording the job's own event fails.
+    let compute_done = fake.user_event();
+    fake.set("fake_fail_next_record", CUDA_ERROR_INVALID_VALUE);
+    engine
+        .submit(store(1, &[(2, 5)]).with_wait_event(compute_done))
+        .unwrap();
+    let (done, at_report) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            // The compute stream finishes once the backend is draining its stream (or after
+            // a while, for a backend that reports without draining).
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while !fake.log().contains("sync") && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            fake.user_event_call(b"fake_user_event_complete", compute_done);
+        });
+        let done = engine.wait_for(&[1], WAIT).unwrap();
+        // At the report, the copy that was enqueued has already written its destination.
+        (done, engine.cpu_block_slice(0, 5).unwrap().to_vec())
+    });
+    let err = done[0].result.clone().unwrap_err();
+    assert!(err.to_string().contains("cuEventRecord"), "{err}");
+    assert_eq!(at_report, [0x5A; 64]);
+    assert_eq!(engine.stopped(), None);
+    fake.user_event_call(b"fake_user_event_destroy", compute_done);
+}

@@ -473,7 +473,8 @@ fn wait_until_on_device(engine: &TransferEngine, jobs: u64) {
 }
 
 /// Runs `wait` on this thread while another thread completes the device's running copy:
-/// once the engine says it stopped (the wait timed out), or after `WAIT` if it never does.
+/// once the engine says it stopped (the wait timed out), or after two seconds if it never
+/// does. What `wait` observes right after its wait returned is what the caller would see.
 fn wait_while_the_device_finishes_late<T>(
     engine: &TransferEngine,
     clock: &Clock,
@@ -481,7 +482,7 @@ fn wait_while_the_device_finishes_late<T>(
 ) -> T {
     std::thread::scope(|scope| {
         scope.spawn(|| {
-            let deadline = std::time::Instant::now() + WAIT;
+            let deadline = std::time::Instant::now() + Duration::from_secs(2);
             while engine.stopped().is_none() && std::time::Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -513,12 +514,12 @@ fn a_timed_out_wait_reports_the_load_only_after_its_copy_ended_and_stops_the_eng
     engine.submit(job(2, Direction::Load, &[(4, 1)])).unwrap();
     engine.submit(job(3, Direction::Store, &[(5, 2)])).unwrap();
 
-    let done = wait_while_the_device_finishes_late(&engine, &clock, || {
-        engine.wait_for(&[1], Duration::from_millis(10)).unwrap()
+    let (done, at_report) = wait_while_the_device_finishes_late(&engine, &clock, || {
+        let done = engine.wait_for(&[1], Duration::from_millis(10)).unwrap();
+        // The moment the failure is reported, the late copy has already landed: from here
+        // on nothing writes the block, so the caller may hand it to someone else.
+        (done, gpu.read(3 * 16, 16))
     });
-    // The moment the failure is reported, the late copy has already landed: from here on
-    // nothing writes the block, so the caller may hand it to someone else.
-    let at_report = gpu.read(3 * 16, 16);
     assert_eq!(done.len(), 1);
     let err = done[0].result.clone().unwrap_err();
     assert!(matches!(err, JobError::Stopped { .. }), "{err:?}");
@@ -556,12 +557,13 @@ fn a_timed_out_fence_on_a_store_returns_after_the_store_read_its_source() {
     let source = gpu.read(2 * 16, 16);
     engine.submit(job(1, Direction::Store, &[(2, 0)])).unwrap();
     let done = wait_while_the_device_finishes_late(&engine, &clock, || {
-        engine.wait_for(&[1], Duration::from_millis(5)).unwrap()
+        let done = engine.wait_for(&[1], Duration::from_millis(5)).unwrap();
+        // The server may now overwrite the source block (the next forward pass): the store
+        // must have read it already.
+        gpu.write(2 * 16, &[0xEE; 16]);
+        done
     });
     assert!(matches!(done[0].result, Err(JobError::Stopped { .. })));
-    // The server may now overwrite the source block (the next forward pass): the store has
-    // already read it, and is not published either way.
-    gpu.write(2 * 16, &[0xEE; 16]);
     assert_eq!(engine.cpu_block_slice(0, 0).unwrap(), &source[..]);
     assert!(engine.stopped().unwrap().contains("timed out"));
 }

@@ -300,6 +300,13 @@ impl PyTransferEngine {
             .map_err(ready_err)
     }
 
+    /// Why the engine stopped for good (a fatal device error, a failed pinning, a wait that
+    /// timed out), or `None` while it works. Once stopped, every transfer fails.
+    #[getter]
+    fn stopped(&self) -> Option<String> {
+        self.inner.stopped().map(str::to_owned)
+    }
+
     /// Counters since construction, by name.
     fn stats(&self) -> Vec<(&'static str, u64)> {
         let s = self.inner.stats();

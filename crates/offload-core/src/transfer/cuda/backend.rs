@@ -243,6 +243,27 @@ impl CudaCopyBackend {
         Ok(Handle::from_ptr(event))
     }
 
+    /// Waits until nothing on `stream` runs any more (when `enqueued`, i.e. some of a failing
+    /// job's copies may be on it), then returns `err` for the job. If the stream cannot be
+    /// drained, whether the copies still run is unknown: the failure becomes fatal, so the
+    /// engine stops and nobody is told the memory is free to reuse by a later success.
+    fn drain_before_failing(
+        &self,
+        stream: Handle,
+        enqueued: bool,
+        err: BackendError,
+    ) -> BackendError {
+        if !enqueued {
+            return err;
+        }
+        // SAFETY: our stream, alive until drop.
+        let rc = unsafe { (self.api().stream_synchronize)(stream.ptr()) };
+        match self.check("cuStreamSynchronize", rc) {
+            Ok(()) => err,
+            Err(sync) => BackendError::fatal(format!("{}; then {sync}", err.message())),
+        }
+    }
+
     fn destroy_event(&self, event: Handle) {
         // SAFETY: `event` was created by `cuEventCreate` and is destroyed once.
         let rc = unsafe { (self.api().event_destroy)(event.ptr()) };
@@ -311,27 +332,32 @@ impl CopyBackend for CudaCopyBackend {
             // upholds `submit`'s contract.
             unsafe { self.enqueue(stream) }
         };
-        if let Err(err) = &copied {
-            if err.is_sticky() {
-                return Err(err.clone().into());
+        // From here on some of the job's copies may be on the stream. The engine reports a
+        // job (failed or not) as soon as this returns an error, and its caller then reuses
+        // the blocks, so every error path below first waits for the stream to drain.
+        let enqueued = !self.descriptors.is_empty();
+        let deferred = match copied {
+            Ok(()) => None,
+            Err(err) if err.is_sticky() => {
+                return Err(self.drain_before_failing(stream, enqueued, err.into()));
             }
-        }
-        let deferred = copied.err().map(BackendError::from);
-        let event = self.take_event().map_err(BackendError::from)?;
+            // A copy after the first failed: record the event anyway and report the error
+            // once it fired, without blocking the copy thread.
+            Err(err) => Some(BackendError::from(err)),
+        };
+        let event = match self.take_event() {
+            Ok(event) => event,
+            Err(err) => {
+                let err = deferred.unwrap_or_else(|| err.into());
+                return Err(self.drain_before_failing(stream, enqueued, err));
+            }
+        };
         // SAFETY: both handles are ours and alive.
         let rc = unsafe { (self.api().event_record)(event.ptr(), stream.ptr()) };
         if let Err(err) = self.check("cuEventRecord", rc) {
             self.destroy_event(event);
-            if deferred.is_some() {
-                // Part of the job may be enqueued: it must finish before the engine lets
-                // anyone reuse the job's memory.
-                // SAFETY: our stream.
-                let rc = unsafe { (self.api().stream_synchronize)(stream.ptr()) };
-                if let Err(sync) = self.check("cuStreamSynchronize", rc) {
-                    log::warn!("after a failed copy: {sync}");
-                }
-            }
-            return Err(deferred.unwrap_or_else(|| err.into()));
+            let err = deferred.unwrap_or_else(|| err.into());
+            return Err(self.drain_before_failing(stream, enqueued, err));
         }
         let ticket = self.next_ticket;
         self.next_ticket = self.next_ticket.wrapping_add(1);
@@ -362,7 +388,10 @@ impl CopyBackend for CudaCopyBackend {
             code => {
                 self.in_flight.remove(&ticket.0);
                 self.destroy_event(event);
-                Err(self.driver.error("cuEventQuery".into(), code).into())
+                let err = self.driver.error("cuEventQuery".into(), code).into();
+                // The query failing says nothing about the copies: they may still run.
+                let stream = self.stream()?;
+                Err(self.drain_before_failing(stream, true, err))
             }
         }
     }
