@@ -1,24 +1,30 @@
 //! Long randomized stress test of the planner driving the real transfer engine (host
-//! backend with injected failures and delayed completions), playing vLLM's part: request
+//! backend with injected failures, behind a device whose copies take a number of harness
+//! steps), playing vLLM's part: request
 //! arrivals, partial hit acceptance, computation, preemption, finishes with delayed frees,
 //! resets. After every step it checks that no GPU or CPU block is double-owned, that pins
 //! balance and the pool stays within budget, and that every load wrote exactly the bytes
 //! that were stored for its hashes.
+//!
+//! Copies complete on the harness's own clock, one tick per step, never on wall time, and
+//! the harness collects exactly the jobs due at each tick: the same seed exercises the same
+//! paths in debug and release builds, on fast and slow machines.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use offload_core::transfer::{
-    Completion, Direction, FaultInjector, FaultPlan, HostCopyBackend, RegionSpec, TransferConfig,
-    TransferEngine, TransferJob,
+    Completion, Direction, FaultInjector, FaultPlan, HostCopyBackend, RegionSpec, TransferEngine,
+    TransferJob,
 };
 use offload_core::{BlockHash, Planner, PlannerConfig};
 
 use common::rng::Rng;
-use common::transfer::FakeGpu;
+use common::transfer::{config, Clock, FakeGpu, SlowDevice, WAIT};
 
 const BS: usize = 16;
 const GPU_BLOCKS: u32 = 96;
@@ -108,18 +114,30 @@ struct Harness {
     stores: HashMap<u64, Vec<String>>,
     loads_verified: u64,
     failed_loads: u64,
+    clock: Clock,
+    /// Steps a copy takes.
+    latency: u64,
+    /// Jobs submitted and not yet collected, with the tick at which each is complete.
+    due: BTreeMap<u64, u64>,
+    /// The latest due tick: completions keep submission order, so no job is done earlier.
+    last_due: u64,
+    /// Jobs handed to the device (by the copy thread), and how many the harness gave it.
+    accepted: Arc<AtomicU64>,
+    nonempty_submitted: u64,
 }
 
 impl Harness {
-    fn new(seed: u64, plan: FaultPlan) -> Self {
+    fn new(seed: u64, plan: FaultPlan, latency: u64) -> Self {
         let gpu_mem = GpuMemory::new();
-        let engine = TransferEngine::with_backend(
-            gpu_mem.regions(),
-            CPU_BLOCKS,
-            TransferConfig::default(),
+        let clock = Clock::default();
+        let device = SlowDevice::wrapping(
             FaultInjector::new(HostCopyBackend::new(), plan),
-        )
-        .unwrap();
+            clock.clone(),
+            latency,
+        );
+        let accepted = device.accepted();
+        let engine =
+            TransferEngine::with_backend(gpu_mem.regions(), CPU_BLOCKS, config(), device).unwrap();
         Self {
             rng: Rng::new(seed),
             planner: Planner::new(PlannerConfig {
@@ -135,7 +153,53 @@ impl Harness {
             stores: HashMap::new(),
             loads_verified: 0,
             failed_loads: 0,
+            clock,
+            latency,
+            due: BTreeMap::new(),
+            last_due: 0,
+            accepted,
+            nonempty_submitted: 0,
         }
+    }
+
+    /// Hands `job` to the engine, noting when it will be complete.
+    fn send(&mut self, job: TransferJob) {
+        let due = if job.pairs.is_empty() {
+            // Completes without the device, behind the jobs before it.
+            self.last_due
+        } else {
+            self.nonempty_submitted += 1;
+            (self.clock.now() + self.latency).max(self.last_due)
+        };
+        self.last_due = due;
+        self.due.insert(job.id, due);
+        self.engine.submit(job).unwrap();
+    }
+
+    /// Moves the clock to `tick` and applies every completion due by then. The device
+    /// dates a copy when the copy thread hands it over, so the clock moves only once every
+    /// submitted job got there.
+    fn advance_to(&mut self, tick: u64) {
+        while self.accepted.load(Ordering::Acquire) < self.nonempty_submitted {
+            std::thread::yield_now();
+        }
+        self.clock.advance_to(tick);
+        let ready: Vec<u64> = self
+            .due
+            .iter()
+            .filter(|(_, due)| **due <= tick)
+            .map(|(id, _)| *id)
+            .collect();
+        let done = self.engine.wait_for(&ready, WAIT).unwrap();
+        assert_eq!(
+            done.len(),
+            ready.len(),
+            "jobs due by tick {tick} did not complete"
+        );
+        for c in &done {
+            self.due.remove(&c.id);
+        }
+        self.apply(done);
     }
 
     fn arrive(&mut self) {
@@ -201,11 +265,11 @@ impl Harness {
             .filter(|(_, reqs)| reqs.iter().any(|r| r == id))
             .map(|(t, _)| *t)
             .collect();
-        let done = self
-            .engine
-            .wait_for(&fence, Duration::from_secs(30))
-            .unwrap();
-        self.apply(done);
+        // The fence waits as long as those stores take.
+        let until = fence.iter().filter_map(|t| self.due.get(t)).max().copied();
+        if let Some(until) = until {
+            self.advance_to(until);
+        }
         let r = self.reqs.get_mut(id).unwrap();
         let gpu = std::mem::take(&mut r.gpu);
         r.state = State::Waiting;
@@ -285,9 +349,7 @@ impl Harness {
                 self.finish(&id);
             }
         }
-        let mut done = Vec::new();
-        self.engine.poll_completions(&mut done);
-        self.apply(done);
+        self.advance_to(self.clock.now() + 1);
         self.check();
     }
 
@@ -311,14 +373,11 @@ impl Harness {
                 self.after_completion();
                 continue;
             }
-            self.engine
-                .submit(TransferJob {
-                    id: load.id,
-                    direction: Direction::Load,
-                    pairs: load.gpu_blocks.into_iter().zip(load.cpu_blocks).collect(),
-                    wait_event: None,
-                })
-                .unwrap();
+            self.send(TransferJob::new(
+                load.id,
+                Direction::Load,
+                load.gpu_blocks.into_iter().zip(load.cpu_blocks).collect(),
+            ));
         }
         if let Some(store) = plan.store {
             let mut targets = BTreeSet::new();
@@ -327,14 +386,11 @@ impl Harness {
                 assert!(targets.insert(*c), "CPU block {c} stored twice in one job");
             }
             self.stores.insert(store.id, store.req_ids.clone());
-            self.engine
-                .submit(TransferJob {
-                    id: store.id,
-                    direction: Direction::Store,
-                    pairs: store.gpu_blocks.into_iter().zip(store.cpu_blocks).collect(),
-                    wait_event: None,
-                })
-                .unwrap();
+            self.send(TransferJob::new(
+                store.id,
+                Direction::Store,
+                store.gpu_blocks.into_iter().zip(store.cpu_blocks).collect(),
+            ));
         }
     }
 
@@ -432,13 +488,10 @@ impl Harness {
                 }
             }
             self.submit();
-            let mut done = Vec::new();
-            self.engine.poll_completions(&mut done);
-            self.apply(done);
+            self.advance_to(self.clock.now() + 1);
             if self.reqs.is_empty() && !self.planner.has_work_in_flight() {
                 break;
             }
-            std::thread::sleep(Duration::from_micros(200));
         }
         assert!(
             self.reqs.is_empty(),
@@ -457,8 +510,8 @@ impl Harness {
     }
 }
 
-fn run(seed: u64, steps: usize, plan: FaultPlan) -> (u64, u64) {
-    let mut h = Harness::new(seed, plan);
+fn run(seed: u64, steps: usize, plan: FaultPlan, latency: u64) -> (u64, u64) {
+    let mut h = Harness::new(seed, plan, latency);
     for _ in 0..steps {
         h.step();
     }
@@ -470,7 +523,7 @@ fn run(seed: u64, steps: usize, plan: FaultPlan) -> (u64, u64) {
 fn stress_without_faults_loads_exact_bytes() {
     let mut verified = 0;
     for seed in 0..40 {
-        verified += run(seed, 600, FaultPlan::default()).0;
+        verified += run(seed, 600, FaultPlan::default(), 1).0;
     }
     eprintln!("verified {verified} loaded blocks");
     assert!(
@@ -484,12 +537,11 @@ fn stress_with_failed_and_delayed_copies_never_hangs_or_serves_wrong_bytes() {
     let plan = FaultPlan {
         fail_loads_every: 3,
         fail_stores_every: 4,
-        delay: Duration::from_millis(1),
         ..FaultPlan::default()
     };
     let (mut verified, mut failed) = (0, 0);
     for seed in 100..130 {
-        let (v, f) = run(seed, 500, plan);
+        let (v, f) = run(seed, 500, plan, 3);
         verified += v;
         failed += f;
     }

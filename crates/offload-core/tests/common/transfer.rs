@@ -153,30 +153,45 @@ impl Clock {
 }
 
 /// A device whose copies take `latency` ticks of a test-driven [`Clock`]: `submit` only
-/// records the runs, and the bytes land when a `query` finds the clock at or past the due
-/// tick — as a DMA engine writes at the end of a slow copy, not when it is queued.
+/// records the runs, and the bytes land (on the inner backend, which may fail them) when a
+/// `query` finds the clock at or past the due tick — as a DMA engine writes at the end of a
+/// slow copy, not when it is queued. Test time, not machine speed, decides what is done.
 #[derive(Debug)]
-pub struct SlowDevice {
-    inner: HostCopyBackend,
+pub struct SlowDevice<B = HostCopyBackend> {
+    inner: B,
     clock: Clock,
     latency: u64,
     pending: HashMap<u64, (u64, Direction, Vec<CopyRun>)>,
     next: u64,
+    accepted: Arc<AtomicU64>,
 }
 
 impl SlowDevice {
     pub fn new(clock: Clock, latency: u64) -> Self {
+        Self::wrapping(HostCopyBackend::new(), clock, latency)
+    }
+}
+
+impl<B: CopyBackend> SlowDevice<B> {
+    /// Delays `inner`'s copies.
+    pub fn wrapping(inner: B, clock: Clock, latency: u64) -> Self {
         Self {
-            inner: HostCopyBackend::new(),
+            inner,
             clock,
             latency,
             pending: HashMap::new(),
             next: 0,
+            accepted: Arc::default(),
         }
+    }
+
+    /// Counts the jobs handed to this device so far (readable after it moved to the engine).
+    pub fn accepted(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.accepted)
     }
 }
 
-impl CopyBackend for SlowDevice {
+impl<B: CopyBackend> CopyBackend for SlowDevice<B> {
     fn name(&self) -> &'static str {
         "slow"
     }
@@ -190,6 +205,7 @@ impl CopyBackend for SlowDevice {
         let due = self.clock.now() + self.latency;
         self.pending
             .insert(self.next, (due, direction, runs.to_vec()));
+        self.accepted.fetch_add(1, Ordering::Release);
         Ok(Ticket(self.next))
     }
 
@@ -204,8 +220,14 @@ impl CopyBackend for SlowDevice {
             return Ok(true);
         };
         // SAFETY: `submit`'s caller keeps every run valid until this query reports the
-        // ticket done, which is after this copy.
+        // ticket done or failed, which is after this copy.
         let copied = unsafe { self.inner.submit(direction, &runs) }?;
-        self.inner.query(copied)
+        // The inner copy must be over before this ticket is: poll it here.
+        loop {
+            if self.inner.query(copied)? {
+                return Ok(true);
+            }
+            std::thread::yield_now();
+        }
     }
 }
