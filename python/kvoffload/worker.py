@@ -90,9 +90,15 @@ class OffloadWorker:
         backend, device = engine_backend(kv_caches)
         self._cuda = backend == CUDA
         self._kv_caches = dict(kv_caches)
+        tensors = [
+            t
+            for value in kv_caches.values()
+            for t in (value if isinstance(value, (list, tuple)) else [value])
+        ]
         self._engine = TransferEngine(
             [(r.base, r.num_blocks, r.block_bytes, r.block_stride) for r in regions],
             self._num_cpu_blocks,
+            tensors,
             backend=backend,
             device=device,
             faults=self._faults,

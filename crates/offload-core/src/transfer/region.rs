@@ -94,6 +94,29 @@ impl RegionSpec {
         self.block_stride
     }
 
+    /// Whether every block of the region lies inside the `len` bytes starting at `start`
+    /// (e.g. the storage of the tensor the region was derived from). A binding that cannot
+    /// trust its caller's addresses checks this against an allocation it can vouch for.
+    ///
+    /// ```
+    /// use offload_core::transfer::RegionSpec;
+    ///
+    /// // SAFETY: construction only; the spec is never handed to an engine.
+    /// let spec = unsafe { RegionSpec::new(0x1000, 4, 64, 128) }.unwrap();
+    /// assert!(spec.lies_within(0x1000, 3 * 128 + 64));
+    /// assert!(!spec.lies_within(0x1000, 3 * 128 + 63));
+    /// assert!(!spec.lies_within(0x1001, 4096));
+    /// ```
+    pub fn lies_within(&self, start: u64, len: usize) -> bool {
+        // `new` checked that the extent does not overflow.
+        let extent =
+            u64::from(self.num_blocks - 1) * self.block_stride as u64 + self.block_bytes as u64;
+        self.base >= start
+            && (self.base - start)
+                .checked_add(extent)
+                .is_some_and(|end| end <= len as u64)
+    }
+
     /// Whether consecutive device blocks are adjacent, so runs of them can be one copy.
     pub fn is_contiguous(&self) -> bool {
         self.block_stride == self.block_bytes
