@@ -123,13 +123,13 @@ def test_a_preemption_fence_slower_than_its_timeout_stops_the_engine_and_recompu
 
     monkeypatch.setattr(worker, "PREEMPTION_FENCE_TIMEOUT_S", 0.05)
     # Eight 150-token prompts fit the 31-block cache (2 blocks each); decoding to 450 tokens
-    # needs 32, so vLLM preempts mid-decode, while the stores of each request's earlier
-    # blocks (10 s each) are still running.
+    # needs 32, so vLLM preempts mid-decode. A request's last store is then at most 128
+    # steps old, well inside the 30 s each store takes, so the fence finds it running.
     prompts = shared_prefix_prompts(8, 8, system_tokens=100, tail_tokens=50, seed=3)
     args: dict[str, Any] = {"max_num_seqs": 8}
     with engine(tiny_model, **args) as llm:
         reference = generate(llm, prompts, max_tokens=300)
-    with engine(tiny_model, faulty("delay_ms=10000"), **args) as llm:
+    with engine(tiny_model, faulty("delay_ms=30000"), **args) as llm:
         assert generate(llm, prompts, max_tokens=300) == reference
         assert counter(llm, "vllm:num_preemptions") > 0
         engine_ = worker_connector().offload_worker.engine
