@@ -336,7 +336,11 @@ fn the_stream_is_non_blocking_at_the_lowest_priority_on_the_primary_context() {
     assert_eq!(fake.get_int("fake_ctx_refs"), 1);
     assert_eq!(fake.get_int("fake_registrations"), 1);
     let log = fake.log();
-    assert!(log.starts_with("retain stream register"), "{log}");
+    // A load stream one priority step above the store stream, which has the least.
+    assert!(
+        log.starts_with("retain stream:-1 stream:0 register"),
+        "{log}"
+    );
     drop(engine);
     assert_released(&fake);
     assert!(fake.log().contains("unregister release"), "{}", fake.log());
@@ -826,5 +830,38 @@ fn a_failed_event_record_after_the_copies_were_enqueued_is_reported_after_they_r
     assert!(err.to_string().contains("cuEventRecord"), "{err}");
     assert_eq!(at_report, [0x5A; 64]);
     assert_eq!(engine.stopped(), None);
+    fake.user_event_call(b"fake_user_event_destroy", compute_done);
+}
+
+#[test]
+fn a_load_is_not_queued_behind_a_store_on_the_device() {
+    let fake = Fake::full();
+    let block = 64;
+    let gpu = FakeGpu::new(8 * block);
+    gpu.fill_random(6);
+    let engine = engine(
+        vec![gpu.region(8, block, block)],
+        8,
+        fake.backend(CudaOptions::default()),
+    );
+    // The store waits for a forward pass that is still running.
+    let compute_done = fake.user_event();
+    engine
+        .submit(store(1, &[(2, 5)]).with_wait_event(compute_done))
+        .unwrap();
+    engine.submit(load(2, &[(6, 0)])).unwrap();
+    let (finished_tx, finished_rx) = crossbeam_channel::bounded::<()>(1);
+    let done = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            // A backstop for a backend that puts the load behind the store.
+            let _ = finished_rx.recv_timeout(Duration::from_secs(2));
+            fake.user_event_call(b"fake_user_event_complete", compute_done);
+        });
+        let done = engine.wait_for(&[2], Duration::from_secs(1)).unwrap();
+        let _ = finished_tx.send(());
+        done
+    });
+    assert_eq!(done[0].result, Ok(()), "the load waited behind the store");
+    assert_eq!(engine.wait_for(&[1], WAIT).unwrap()[0].result, Ok(()));
     fake.user_event_call(b"fake_user_event_destroy", compute_done);
 }

@@ -5,6 +5,9 @@
 
 mod common;
 
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
@@ -89,7 +92,7 @@ fn round_trip_through_contiguous_and_strided_regions() {
 }
 
 #[test]
-fn completions_arrive_in_submission_order() {
+fn completions_of_each_direction_arrive_in_submission_order() {
     let buf = FakeGpu::new(16 * 8);
     let engine = TransferEngine::new(vec![buf.region(16, 8, 8)], 16, config()).unwrap();
     for id in 0..20u64 {
@@ -102,10 +105,18 @@ fn completions_arrive_in_submission_order() {
         engine.submit(job(id, direction, &pairs)).unwrap();
     }
     let done = drain(&engine, 20);
-    assert_eq!(
-        done.iter().map(|c| c.id).collect::<Vec<_>>(),
-        (0..20).collect::<Vec<_>>()
-    );
+    for (direction, first) in [(Direction::Store, 0), (Direction::Load, 1)] {
+        let ids: Vec<u64> = done
+            .iter()
+            .filter(|c| c.direction == direction)
+            .map(|c| c.id)
+            .collect();
+        assert_eq!(
+            ids,
+            (first..20).step_by(2).collect::<Vec<_>>(),
+            "{direction}"
+        );
+    }
     assert!(done.iter().all(|c| c.result.is_ok() && c.bytes == 8));
     let mut more = Vec::new();
     engine.poll_completions(&mut more);
@@ -432,4 +443,84 @@ proptest::proptest! {
             .collect();
         round_trip(seed, &shapes, &gpu_blocks[..shapes.len()], num_cpu, count);
     }
+}
+
+/// Copies at once, but holds every store's completion until released, as a device busy
+/// with a long backlog of stores would; notes whether a load finished meanwhile.
+struct SlowStores {
+    inner: HostCopyBackend,
+    released: Arc<AtomicBool>,
+    stores: HashSet<u64>,
+    load_done_while_stores_held: Arc<AtomicBool>,
+}
+
+impl CopyBackend for SlowStores {
+    fn name(&self) -> &'static str {
+        "slow-stores"
+    }
+
+    unsafe fn submit(
+        &mut self,
+        direction: Direction,
+        runs: &[CopyRun],
+    ) -> Result<Ticket, BackendError> {
+        // SAFETY: forwarded from our caller.
+        let ticket = unsafe { self.inner.submit(direction, runs) }?;
+        if direction == Direction::Store {
+            self.stores.insert(ticket.0);
+        } else if !self.released.load(Ordering::Acquire) {
+            self.load_done_while_stores_held
+                .store(true, Ordering::Release);
+        }
+        Ok(ticket)
+    }
+
+    fn query(&mut self, ticket: Ticket) -> Result<bool, BackendError> {
+        Ok(!self.stores.contains(&ticket.0) || self.released.load(Ordering::Acquire))
+    }
+}
+
+#[test]
+fn a_load_behind_a_hundred_slow_stores_completes_first() {
+    let buf = FakeGpu::new(16 * 8);
+    let released = Arc::new(AtomicBool::new(false));
+    let load_first = Arc::new(AtomicBool::new(false));
+    let backend = SlowStores {
+        inner: HostCopyBackend::new(),
+        released: Arc::clone(&released),
+        stores: HashSet::new(),
+        load_done_while_stores_held: Arc::clone(&load_first),
+    };
+    let engine =
+        TransferEngine::with_backend(vec![buf.region(16, 8, 8)], 16, config(), backend).unwrap();
+    for id in 0..100u64 {
+        let block = (id % 8) as u32;
+        engine
+            .submit(job(id, Direction::Store, &[(block, block)]))
+            .unwrap();
+    }
+    engine
+        .submit(job(100, Direction::Load, &[(12, 9)]))
+        .unwrap();
+    let (release_tx, release_rx) = bounded::<()>(1);
+    let done = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            // A backstop for an engine that makes the load wait for the stores.
+            let _ = release_rx.recv_timeout(Duration::from_secs(2));
+            released.store(true, Ordering::Release);
+        });
+        let done = engine.wait_for(&[100], WAIT).unwrap();
+        let _ = release_tx.send(());
+        done
+    });
+    assert_eq!(done[0].result, Ok(()));
+    assert!(
+        load_first.load(Ordering::Acquire),
+        "the load waited for the stores"
+    );
+    let stores = engine
+        .wait_for(&(0..100).collect::<Vec<_>>(), WAIT)
+        .unwrap();
+    assert_eq!(stores.len(), 100);
+    assert!(stores.iter().all(|c| c.result.is_ok()));
 }

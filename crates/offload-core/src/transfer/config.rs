@@ -17,10 +17,12 @@ use crate::memory::HostMemoryOptions;
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferConfig {
-    /// Jobs that may wait for the copy thread before `submit` returns `QueueFull`.
+    /// Jobs of one direction that may wait for the copy thread before `submit` returns
+    /// `QueueFull`.
     pub queue_capacity: usize,
-    /// Jobs submitted to the backend and not yet complete before the copy thread stops
-    /// taking new ones (bounds a device backend's outstanding events).
+    /// Jobs of one direction submitted to the backend and not yet complete before the copy
+    /// thread stops taking new ones of that direction (bounds a device backend's
+    /// outstanding events).
     pub max_in_flight: usize,
     /// How long the copy thread sleeps between polls of an asynchronous backend.
     pub poll_interval: Duration,

@@ -1,6 +1,10 @@
-//! The copy thread: takes jobs from the queue, validates and coalesces them, drives the
-//! backend, and sends one completion per job in submission order, each only once the
-//! backend is done with the job's memory.
+//! The copy thread: takes jobs from the queues, validates and coalesces them, drives the
+//! backend, and sends one completion per job, each only once the backend is done with the
+//! job's memory.
+//!
+//! Loads and stores travel in separate lanes, each with its own queue and its own jobs in
+//! flight, completed in submission order within the lane: a load (which a request is
+//! waiting for) is taken before queued stores and never completes behind running ones.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -8,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crossbeam_channel::{select, Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, Select, Sender};
 
 use super::backend::{BackendError, CopyBackend, Ticket};
 use super::config::TransferConfig;
@@ -41,10 +45,18 @@ enum Next {
     Stop,
 }
 
-/// The channels of one engine, as the copy thread sees them: jobs in, the stop request,
-/// completions out, and a sender dropped when the thread exits.
+/// The lane of a direction: loads first, so that scanning lanes in order favours them.
+pub(crate) fn lane(direction: Direction) -> usize {
+    match direction {
+        Direction::Load => 0,
+        Direction::Store => 1,
+    }
+}
+
+/// The channels of one engine, as the copy thread sees them: jobs in (one queue per lane),
+/// the stop request, completions out, and a sender dropped when the thread exits.
 pub(crate) type Channels = (
-    Receiver<TransferJob>,
+    [Receiver<TransferJob>; 2],
     Receiver<()>,
     Sender<Completion>,
     Sender<()>,
@@ -58,11 +70,11 @@ pub(crate) struct CopyThread<B> {
     /// Held so a detached thread never outlives the memory it copies into.
     memory: Arc<HostMemory>,
     shared: Arc<Shared>,
-    jobs: Receiver<TransferJob>,
+    jobs: [Receiver<TransferJob>; 2],
     stop: Receiver<()>,
     completions: Sender<Completion>,
-    /// In submission order; completions leave from the front only.
-    outstanding: VecDeque<Pending>,
+    /// Per lane, in submission order; completions leave from the front only.
+    outstanding: [VecDeque<Pending>; 2],
     /// Scratch bitset over block ids for duplicate-destination checks; all zero between jobs.
     seen: Vec<u64>,
     groups: Vec<BlockRun>,
@@ -92,7 +104,7 @@ impl<B: CopyBackend> CopyThread<B> {
             jobs,
             stop,
             completions,
-            outstanding: VecDeque::new(),
+            outstanding: [VecDeque::new(), VecDeque::new()],
             groups: Vec::new(),
             runs: Vec::new(),
             max_in_flight: config.max_in_flight,
@@ -123,14 +135,16 @@ impl<B: CopyBackend> CopyThread<B> {
         }
         // Jobs queued behind the stop request are not started: shutdown must be bounded.
         // They queue behind the outstanding ones so completions keep submission order.
-        while let Ok(job) = self.jobs.try_recv() {
-            let id = job.id;
-            self.push_finished(&job, Err(JobError::Shutdown { id }));
+        for lane in 0..2 {
+            while let Ok(job) = self.jobs[lane].try_recv() {
+                let id = job.id;
+                self.push_finished(&job, Err(JobError::Shutdown { id }));
+            }
         }
         // Jobs already with the backend must finish before the memory can be released.
         loop {
             self.poll_outstanding();
-            if self.outstanding.is_empty() {
+            if self.outstanding.iter().all(VecDeque::is_empty) {
                 break;
             }
             std::thread::sleep(self.poll_interval);
@@ -142,36 +156,55 @@ impl<B: CopyBackend> CopyThread<B> {
         if self.shared.shutting_down.load(Ordering::Acquire) {
             return Next::Stop;
         }
-        if self.outstanding.len() >= self.max_in_flight {
-            return match self.stop.recv_timeout(self.poll_interval) {
-                Err(RecvTimeoutError::Timeout) => Next::Idle,
-                Ok(()) | Err(RecvTimeoutError::Disconnected) => Next::Stop,
-            };
+        let room = [0, 1].map(|lane| self.outstanding[lane].len() < self.max_in_flight);
+        // A job already queued is taken at once, loads before stores.
+        let queued = (0..2)
+            .filter(|&lane| room[lane])
+            .find_map(|lane| self.jobs[lane].try_recv().ok());
+        if let Some(job) = queued {
+            return self.accept(job);
         }
-        // Block only when nothing is outstanding; otherwise wake up to poll the backend.
-        let next = if self.outstanding.is_empty() {
-            select! {
-                recv(self.jobs) -> job => job.ok(),
-                recv(self.stop) -> _ => None,
+        // Otherwise wait for a job or the stop request; with copies in flight, only until the
+        // next poll of the backend.
+        let busy = self.outstanding.iter().any(|o| !o.is_empty());
+        let mut select = Select::new();
+        let mut lanes = [usize::MAX; 2];
+        for (lane, index) in lanes.iter_mut().enumerate() {
+            if room[lane] {
+                *index = select.recv(&self.jobs[lane]);
+            }
+        }
+        select.recv(&self.stop);
+        let op = if busy {
+            match select.select_timeout(self.poll_interval) {
+                Ok(op) => op,
+                Err(_) => return Next::Idle,
             }
         } else {
-            select! {
-                recv(self.jobs) -> job => job.ok(),
-                recv(self.stop) -> _ => None,
-                default(self.poll_interval) => return Next::Idle,
-            }
+            select.select()
         };
-        match next {
-            // Both channels may be ready at once; a stop request wins so that queued jobs
-            // are not started after shutdown began.
-            Some(job) if self.shared.shutting_down.load(Ordering::Acquire) => {
-                let id = job.id;
-                self.push_finished(&job, Err(JobError::Shutdown { id }));
+        let index = op.index();
+        match lanes.iter().position(|&i| i == index) {
+            Some(lane) => match op.recv(&self.jobs[lane]) {
+                Ok(job) => self.accept(job),
+                Err(_) => Next::Stop,
+            },
+            None => {
+                let _ = op.recv(&self.stop);
                 Next::Stop
             }
-            Some(job) => Next::Job(job),
-            None => Next::Stop,
         }
+    }
+
+    /// A job just taken from a queue: started, unless a stop request came with it (both may
+    /// be ready at once; queued jobs are not started after shutdown began).
+    fn accept(&mut self, job: TransferJob) -> Next {
+        if self.shared.shutting_down.load(Ordering::Acquire) {
+            let id = job.id;
+            self.push_finished(&job, Err(JobError::Shutdown { id }));
+            return Next::Stop;
+        }
+        Next::Job(job)
     }
 
     fn stopped_error(&self) -> Option<JobError> {
@@ -234,10 +267,16 @@ impl<B: CopyBackend> CopyThread<B> {
         }
     }
 
-    /// Sends completions for outstanding jobs that are done, oldest first, stopping at the
-    /// first one still running so that completions keep submission order.
+    /// Sends completions for outstanding jobs that are done, oldest first in each lane,
+    /// stopping at the first one still running so that a lane keeps submission order.
     fn poll_outstanding(&mut self) {
-        while let Some(front) = self.outstanding.front_mut() {
+        for lane in 0..2 {
+            self.poll_lane(lane);
+        }
+    }
+
+    fn poll_lane(&mut self, lane: usize) {
+        while let Some(front) = self.outstanding[lane].front_mut() {
             let result = match &mut front.state {
                 PendingState::Finished(result) => std::mem::replace(result, Ok(())),
                 PendingState::Submitted(ticket) => {
@@ -249,7 +288,7 @@ impl<B: CopyBackend> CopyThread<B> {
                     }
                 }
             };
-            if let Some(pending) = self.outstanding.pop_front() {
+            if let Some(pending) = self.outstanding[lane].pop_front() {
                 self.complete(pending, result);
             }
         }
@@ -288,7 +327,7 @@ impl<B: CopyBackend> CopyThread<B> {
 
     fn push(&mut self, job: &TransferJob, state: PendingState) {
         let blocks = job.pairs.len() as u64;
-        self.outstanding.push_back(Pending {
+        self.outstanding[lane(job.direction)].push_back(Pending {
             id: job.id,
             direction: job.direction,
             blocks,
@@ -331,7 +370,8 @@ impl<B: CopyBackend> CopyThread<B> {
 impl<B> std::fmt::Debug for CopyThread<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CopyThread")
-            .field("outstanding", &self.outstanding.len())
+            .field("loads", &self.outstanding[0].len())
+            .field("stores", &self.outstanding[1].len())
             .finish_non_exhaustive()
     }
 }

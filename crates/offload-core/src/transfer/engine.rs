@@ -28,7 +28,7 @@ use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, 
 
 use super::backend::CopyBackend;
 use super::config::{BackendKind, TransferConfig};
-use super::copy_thread::CopyThread;
+use super::copy_thread::{lane, CopyThread};
 use super::cuda::CudaCopyBackend;
 use super::error::{
     BlockAccessError, BuildError, ReadyError, ShutdownError, SubmitError, WaitError,
@@ -66,7 +66,8 @@ pub struct TransferEngine {
     layout: Arc<Layout>,
     memory: Arc<HostMemory>,
     shared: Arc<Shared>,
-    jobs: Option<Sender<TransferJob>>,
+    /// One queue per lane (loads, stores).
+    jobs: Option<[Sender<TransferJob>; 2]>,
     /// Dropped to wake the copy thread for shutdown; never sent on.
     stop: Option<Sender<()>>,
     /// Disconnects when the copy thread exits; lets shutdown wait with a timeout.
@@ -152,7 +153,8 @@ impl TransferEngine {
         let layout = Arc::new(Layout::new(regions, num_cpu_blocks)?);
         let memory = Arc::new(HostMemory::with_options(layout.host_len(), &config.memory)?);
         let shared = Arc::new(Shared::default());
-        let (jobs_tx, jobs_rx) = bounded(config.queue_capacity);
+        let (loads_tx, loads_rx) = bounded(config.queue_capacity);
+        let (stores_tx, stores_rx) = bounded(config.queue_capacity);
         let (stop_tx, stop_rx) = bounded(1);
         let (exited_tx, exited_rx) = bounded(1);
         let (done_tx, done_rx) = unbounded();
@@ -163,7 +165,7 @@ impl TransferEngine {
             Arc::clone(&layout),
             Arc::clone(&memory),
             Arc::clone(&shared),
-            (jobs_rx, stop_rx, done_tx, exited_tx),
+            ([loads_rx, stores_rx], stop_rx, done_tx, exited_tx),
             &config,
         );
         let thread = std::thread::Builder::new()
@@ -184,7 +186,7 @@ impl TransferEngine {
             layout,
             memory,
             shared,
-            jobs: Some(jobs_tx),
+            jobs: Some([loads_tx, stores_tx]),
             stop: Some(stop_tx),
             exited: exited_rx,
             completions: done_rx,
@@ -214,7 +216,7 @@ impl TransferEngine {
             return Err(SubmitError::DuplicateJobId { id });
         }
         self.shared.unfinished.fetch_add(1, Ordering::AcqRel);
-        let refused = match jobs.try_send(job) {
+        let refused = match jobs[lane(job.direction)].try_send(job) {
             Ok(()) => {
                 self.shared.counters.submitted();
                 return Ok(());

@@ -14,8 +14,10 @@
 //! region, so a run of consecutive `(device, cpu)` pairs is one copy per region whenever the
 //! device region is contiguous.
 //!
-//! Completions are reported in submission order, and a completion (success or failure) is
-//! sent only once no copy of its job can still write. A job that fails (bad id, backend
+//! Loads and stores travel in separate lanes (queues, jobs in flight and, on CUDA, streams):
+//! a load, which a request is waiting for, never waits behind stores. Completions are
+//! reported in submission order within each direction, and a completion (success or
+//! failure) is sent only once no copy of its job can still write. A job that fails (bad id, backend
 //! error) fails alone; a fatal backend error, or a [`TransferEngine::wait_for`] that runs out
 //! of time, stops the engine for good: every later job and submit names the reason.
 //!

@@ -311,7 +311,7 @@ EXPORT CUresult cuStreamCreateWithPriority(void **phStream, unsigned int flags, 
     g_last_stream_flags = (int)flags;
     g_last_stream_priority = priority;
     *phStream = s;
-    log_op("stream", 0);
+    log_op("stream:%ld", priority);
     LEAVE(CUDA_SUCCESS);
 }
 

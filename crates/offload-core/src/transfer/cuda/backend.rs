@@ -6,6 +6,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::super::copy_thread::lane;
 use super::super::cuda_sys::{self as sys, CUresult};
 use super::super::{BackendError, CopyBackend, CopyRun, Direction, Ticket};
 use super::driver::{Api, CudaDriver};
@@ -56,15 +57,17 @@ impl Handle {
 #[derive(Debug, Default)]
 struct Attached {
     context_retained: bool,
-    stream: Option<Handle>,
+    /// The load stream and the store stream (see [`lane`]).
+    streams: Option<[Handle; 2]>,
     /// `(base, len)` of every successful `cuMemHostRegister`.
     pinned: Vec<(u64, usize)>,
 }
 
-/// A job on the stream.
+/// A job on a stream.
 #[derive(Debug)]
 struct InFlight {
     event: Handle,
+    stream: Handle,
     /// A copy failed after part of the job was enqueued: report it once the stream has
     /// finished with the job's memory.
     deferred: Option<BackendError>,
@@ -82,6 +85,8 @@ pub struct CudaCopyBackend {
     host: Option<(u64, usize)>,
     in_flight: HashMap<u64, InFlight>,
     free_events: Vec<Handle>,
+    /// The event the next `submit` waits for (see `wait_event`).
+    pending_wait: Option<Handle>,
     next_ticket: u64,
     pub(super) descriptors: Vec<Descriptor>,
     pub(super) dsts: Vec<u64>,
@@ -126,6 +131,7 @@ impl CudaCopyBackend {
             host: None,
             in_flight: HashMap::new(),
             free_events: Vec::new(),
+            pending_wait: None,
             next_ticket: 0,
             descriptors: Vec::new(),
             dsts: Vec::new(),
@@ -157,9 +163,10 @@ impl CudaCopyBackend {
         self.driver.check(call, code)
     }
 
-    fn stream(&self) -> Result<Handle, BackendError> {
+    fn stream(&self, direction: Direction) -> Result<Handle, BackendError> {
         self.attached
-            .stream
+            .streams
+            .map(|streams| streams[lane(direction)])
             .ok_or_else(|| BackendError::job("cuda backend used before attach succeeded"))
     }
 
@@ -177,24 +184,39 @@ impl CudaCopyBackend {
         let rc = unsafe { (api.ctx_set_current)(ctx) };
         self.check("cuCtxSetCurrent", rc)?;
 
-        // Numerically greatest is lowest priority: copies yield to compute kernels.
-        let mut least: c_int = 0;
+        // Numerically greatest is lowest priority: stores yield to compute kernels, and
+        // loads, which a request is waiting for, one step less (where the device has steps).
+        let (mut least, mut greatest): (c_int, c_int) = (0, 0);
         if let Some(range) = api.ctx_get_stream_priority_range {
-            let mut greatest: c_int = 0;
             // SAFETY: both are valid out-pointers.
             let rc = unsafe { range(&mut least, &mut greatest) };
             self.check("cuCtxGetStreamPriorityRange", rc)?;
         }
-        let mut stream: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: `stream` is a valid out-pointer; flags and priority are by value.
-        let rc = unsafe {
-            (api.stream_create_with_priority)(&mut stream, sys::CU_STREAM_NON_BLOCKING, least)
-        };
-        self.check(
-            &format!("cuStreamCreateWithPriority(CU_STREAM_NON_BLOCKING, priority {least})"),
-            rc,
-        )?;
-        self.attached.stream = Some(Handle::from_ptr(stream));
+        let load_priority = if least > greatest { least - 1 } else { least };
+        let mut created = Vec::with_capacity(2);
+        for priority in [load_priority, least] {
+            let mut stream: sys::CUstream = std::ptr::null_mut();
+            // SAFETY: `stream` is a valid out-pointer; flags and priority are by value.
+            let rc = unsafe {
+                (api.stream_create_with_priority)(
+                    &mut stream,
+                    sys::CU_STREAM_NON_BLOCKING,
+                    priority,
+                )
+            };
+            let made = self.check(
+                &format!("cuStreamCreateWithPriority(CU_STREAM_NON_BLOCKING, priority {priority})"),
+                rc,
+            );
+            if let Err(err) = made {
+                for stream in created {
+                    self.destroy_stream(stream);
+                }
+                return Err(err);
+            }
+            created.push(Handle::from_ptr(stream));
+        }
+        self.attached.streams = Some([created[0], created[1]]);
 
         let started = Instant::now();
         let chunk = self.options.pin_chunk_bytes;
@@ -264,6 +286,14 @@ impl CudaCopyBackend {
         }
     }
 
+    fn destroy_stream(&self, stream: Handle) {
+        // SAFETY: a stream we created, destroyed once.
+        let rc = unsafe { (self.api().stream_destroy)(stream.ptr()) };
+        if let Err(err) = self.check("cuStreamDestroy", rc) {
+            log::debug!("{err}");
+        }
+    }
+
     fn destroy_event(&self, event: Handle) {
         // SAFETY: `event` was created by `cuEventCreate` and is destroyed once.
         let rc = unsafe { (self.api().event_destroy)(event.ptr()) };
@@ -294,23 +324,14 @@ impl CopyBackend for CudaCopyBackend {
     }
 
     fn wait_event(&mut self, event: u64) -> Result<(), BackendError> {
-        let stream = self.stream()?;
         let handle = usize::try_from(event)
             .map_err(|_| BackendError::job(format!("event handle {event:#x} exceeds usize")))?;
         if handle == 0 {
             return Err(BackendError::job("wait event handle is null"));
         }
-        // SAFETY: the caller passes a live event handle (`TransferJob::wait_event`'s
-        // contract); the driver validates it and fails with INVALID_HANDLE otherwise.
-        let rc = unsafe {
-            (self.api().stream_wait_event)(
-                stream.ptr(),
-                Handle(handle).ptr(),
-                sys::CU_EVENT_WAIT_DEFAULT,
-            )
-        };
-        self.check(&format!("cuStreamWaitEvent(event {event:#x})"), rc)
-            .map_err(BackendError::from)
+        // Which stream waits depends on the next job's direction: `submit` enqueues it.
+        self.pending_wait = Some(Handle(handle));
+        Ok(())
     }
 
     unsafe fn submit(
@@ -318,7 +339,20 @@ impl CopyBackend for CudaCopyBackend {
         direction: Direction,
         runs: &[CopyRun],
     ) -> Result<Ticket, BackendError> {
-        let stream = self.stream()?;
+        let wait = self.pending_wait.take();
+        let stream = self.stream(direction)?;
+        if let Some(event) = wait {
+            // SAFETY: the caller passed a live event handle (`TransferJob::wait_event`'s
+            // contract); the driver validates it and fails with INVALID_HANDLE otherwise.
+            let rc = unsafe {
+                (self.api().stream_wait_event)(
+                    stream.ptr(),
+                    event.ptr(),
+                    sys::CU_EVENT_WAIT_DEFAULT,
+                )
+            };
+            self.check(&format!("cuStreamWaitEvent(event {:#x})", event.0), rc)?;
+        }
         let host = self
             .host
             .map(|(base, len)| (base, len, self.options.pin_chunk_bytes));
@@ -361,7 +395,14 @@ impl CopyBackend for CudaCopyBackend {
         }
         let ticket = self.next_ticket;
         self.next_ticket = self.next_ticket.wrapping_add(1);
-        self.in_flight.insert(ticket, InFlight { event, deferred });
+        self.in_flight.insert(
+            ticket,
+            InFlight {
+                event,
+                stream,
+                deferred,
+            },
+        );
         Ok(Ticket(ticket))
     }
 
@@ -372,7 +413,7 @@ impl CopyBackend for CudaCopyBackend {
                 ticket.0
             )));
         };
-        let event = job.event;
+        let (event, stream) = (job.event, job.stream);
         // SAFETY: a live event of ours.
         let rc = unsafe { (self.api().event_query)(event.ptr()) };
         match rc {
@@ -390,7 +431,6 @@ impl CopyBackend for CudaCopyBackend {
                 self.destroy_event(event);
                 let err = self.driver.error("cuEventQuery".into(), code).into();
                 // The query failing says nothing about the copies: they may still run.
-                let stream = self.stream()?;
                 Err(self.drain_before_failing(stream, true, err))
             }
         }
@@ -400,12 +440,14 @@ impl CopyBackend for CudaCopyBackend {
 impl Drop for CudaCopyBackend {
     fn drop(&mut self) {
         let api = *self.api();
-        if let Some(stream) = self.attached.stream.take() {
-            // Nothing may still be copying into memory we are about to unpin.
-            // SAFETY: our stream.
-            let rc = unsafe { (api.stream_synchronize)(stream.ptr()) };
-            if let Err(err) = self.check("cuStreamSynchronize", rc) {
-                log::warn!("cuda backend shutdown: {err}");
+        if let Some(streams) = self.attached.streams.take() {
+            for stream in streams {
+                // Nothing may still be copying into memory we are about to unpin.
+                // SAFETY: our stream.
+                let rc = unsafe { (api.stream_synchronize)(stream.ptr()) };
+                if let Err(err) = self.check("cuStreamSynchronize", rc) {
+                    log::warn!("cuda backend shutdown: {err}");
+                }
             }
             let events: Vec<Handle> = self
                 .in_flight
@@ -416,10 +458,8 @@ impl Drop for CudaCopyBackend {
             for event in events {
                 self.destroy_event(event);
             }
-            // SAFETY: our stream, destroyed once.
-            let rc = unsafe { (api.stream_destroy)(stream.ptr()) };
-            if let Err(err) = self.check("cuStreamDestroy", rc) {
-                log::debug!("{err}");
+            for stream in streams {
+                self.destroy_stream(stream);
             }
         }
         for (base, len) in std::mem::take(&mut self.attached.pinned) {

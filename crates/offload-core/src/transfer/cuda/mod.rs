@@ -9,8 +9,9 @@
 //! and 13.x export it with different signatures), else a loop of `cuMemcpyAsync`.
 //!
 //! [`CudaCopyBackend`] runs on the engine's copy thread. Its `attach` retains the device's
-//! primary context (the one PyTorch uses), makes it current on the copy thread, creates a
-//! non-blocking stream at the lowest priority (so copies yield to compute), and pins the
+//! primary context (the one PyTorch uses), makes it current on the copy thread, creates two
+//! non-blocking streams, one per direction (stores at the lowest priority, so they yield to
+//! compute; loads one step higher, and never queued behind stores), and pins the
 //! engine's host memory with `cuMemHostRegister` in chunks of at most
 //! [`CudaOptions::pin_chunk_bytes`]. Each job: an optional `cuStreamWaitEvent` on the
 //! caller's event (stores wait for the compute stream), the copies, and an event record;
