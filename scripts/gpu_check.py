@@ -324,7 +324,9 @@ def measure_layout(
     layout = Layout(torch, name, num_gpu, device)
     rng = random.Random(seed)
     t0 = time.perf_counter()
-    engine = native.TransferEngine(layout.regions, max_n, backend="cuda", device=device.index or 0)
+    engine = native.TransferEngine(
+        layout.regions, max_n, layout.parts, backend="cuda", device=device.index or 0
+    )
     engine.wait_ready(WAIT_S)
     info = {
         "layout": name,
@@ -340,7 +342,7 @@ def measure_layout(
     }
     # The cuMemcpyAsync loop path, on a small engine.
     loop_engine = native.TransferEngine(
-        layout.regions, 64, backend="cuda", device=device.index or 0, cuda_batch=False
+        layout.regions, 64, layout.parts, backend="cuda", device=device.index or 0, cuda_batch=False
     )
     loop_engine.wait_ready(WAIT_S)
     correct["loop"] = round_trip_check(torch, layout, Runner(loop_engine, torch, rng), 32, 64)

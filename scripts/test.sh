@@ -20,6 +20,11 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "cargo test (unit, property and doc tests)"
 cargo test --workspace
 
+# The same engine tests on an optimised build: timing-sensitive code (the copy thread, the
+# stress harness) must behave the same when it runs faster.
+step "cargo test --release (offload-core)"
+cargo test -p offload-core --release
+
 step "ruff"
 py_dirs=(python tests scripts)
 [[ -d benches ]] && py_dirs+=(benches)

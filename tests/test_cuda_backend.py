@@ -46,7 +46,9 @@ def ids(xs: list[int]) -> bytes:
 
 def test_store_waits_for_its_event_and_round_trips(fake: ctypes.CDLL) -> None:
     kv = torch.randint(0, 255, (16, 4096), dtype=torch.uint8)
-    engine = _native.TransferEngine([(kv.data_ptr(), 16, 4096, 4096)], 8, backend="cuda", device=0)
+    engine = _native.TransferEngine._unchecked(
+        [(kv.data_ptr(), 16, 4096, 4096)], 8, backend="cuda", device=0
+    )
     assert "cuMemcpyBatchAsync_v2" in engine.backend_detail
     engine.wait_ready(10)
     assert engine.ready
@@ -70,18 +72,18 @@ def test_cuda_errors_are_device_errors(fake: ctypes.CDLL, monkeypatch: pytest.Mo
     kv = torch.zeros((4, 64), dtype=torch.uint8)
     regions = [(kv.data_ptr(), 4, 64, 64)]
     with pytest.raises(_native.DeviceError, match=r"cuDeviceGet\(ordinal 5\)"):
-        _native.TransferEngine(regions, 2, backend="cuda", device=5)
+        _native.TransferEngine._unchecked(regions, 2, backend="cuda", device=5)
     monkeypatch.setenv("KVOFFLOAD_LIBCUDA", "/nonexistent/libcuda.so.1")
     with pytest.raises(_native.DeviceError, match="KVOFFLOAD_LIBCUDA"):
-        _native.TransferEngine(regions, 2, backend="cuda")
+        _native.TransferEngine._unchecked(regions, 2, backend="cuda")
     with pytest.raises(_native.InvalidInputError, match="rocm"):
-        _native.TransferEngine(regions, 2, backend="rocm")
+        _native.TransferEngine._unchecked(regions, 2, backend="rocm")
 
 
 def test_host_backend_refuses_wait_events_and_cpu_tensors_pick_host() -> None:
     kv = torch.zeros((4, 64), dtype=torch.uint8)
     assert engine_backend({"layer.0": kv}) == ("host", 0)
-    engine = _native.TransferEngine([(kv.data_ptr(), 4, 64, 64)], 2)
+    engine = _native.TransferEngine._unchecked([(kv.data_ptr(), 4, 64, 64)], 2)
     engine.wait_ready(5)
     engine.submit(1, True, ids([0]), ids([0]), 0x1234)
     [(tid, ok, err)] = engine.wait_for([1], 10)

@@ -102,6 +102,40 @@ def test_load_failure_under_fail_policy_ends_requests_without_hanging(
         assert [o.outputs[0].finish_reason for o in outs] == ["error"] * len(outs)
 
 
+def test_a_sync_load_slower_than_its_timeout_stops_the_engine_and_recomputes(
+    tiny_model: Path, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvoffload import worker
+
+    monkeypatch.setattr(worker, "SYNC_LOAD_TIMEOUT_S", 0.05)
+    with engine(tiny_model, faulty("delay_ms=400", load_mode="sync"), **ENGINE_ARGS) as llm:
+        first, again = run_twice(llm)
+        assert (first, again) == (reference, reference)
+        engine_ = worker_connector().offload_worker.engine
+        assert "timed out" in (engine_.stopped or "")
+        assert planner_stats(llm)["failed_loads"] > 0
+
+
+def test_a_preemption_fence_slower_than_its_timeout_stops_the_engine_and_recomputes(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvoffload import worker
+
+    monkeypatch.setattr(worker, "PREEMPTION_FENCE_TIMEOUT_S", 0.05)
+    # Eight 150-token prompts fit the 31-block cache (2 blocks each); decoding to 450 tokens
+    # needs 32, so vLLM preempts mid-decode. A request's last store is then at most 128
+    # steps old, well inside the 30 s each store takes, so the fence finds it running.
+    prompts = shared_prefix_prompts(8, 8, system_tokens=100, tail_tokens=50, seed=3)
+    args: dict[str, Any] = {"max_num_seqs": 8}
+    with engine(tiny_model, **args) as llm:
+        reference = generate(llm, prompts, max_tokens=300)
+    with engine(tiny_model, faulty("delay_ms=30000"), **args) as llm:
+        assert generate(llm, prompts, max_tokens=300) == reference
+        assert counter(llm, "vllm:num_preemptions") > 0
+        engine_ = worker_connector().offload_worker.engine
+        assert "timed out" in (engine_.stopped or "")
+
+
 def test_forced_preemption_keeps_tokens_identical(tiny_model: Path) -> None:
     # Many concurrent long generations in a 31-block cache: vLLM must preempt.
     prompts = shared_prefix_prompts(8, 2, system_tokens=500, tail_tokens=20, seed=3)

@@ -19,7 +19,9 @@ ENGINE_WITH_WORK = textwrap.dedent(
 
     kv = torch.randn(64, 4096)
     es = kv.element_size()
-    engine = TransferEngine([(kv.data_ptr(), 64, 4096 * es, 4096 * es)], 64, faults=FAULTS)
+    engine = TransferEngine(
+        [(kv.data_ptr(), 64, 4096 * es, 4096 * es)], 64, [kv], faults=FAULTS
+    )
     ids = lambda xs: struct.pack(f"<{len(xs)}I", *xs)
     for i in range(40):
         engine.submit(i + 1, True, ids([i % 64]), ids([i % 64]))
@@ -70,7 +72,7 @@ def test_fork_after_import_and_engine_start_does_not_deadlock_the_child() -> Non
             p = Planner(16, 8)
             p.lookup("a", [b"x" * 32], 17, 0)
             kv2 = torch.zeros(8, 256)
-            e2 = TransferEngine([(kv2.data_ptr(), 8, 1024, 1024)], 4)
+            e2 = TransferEngine([(kv2.data_ptr(), 8, 1024, 1024)], 4, [kv2])
             e2.submit(1, True, ids([1]), ids([2]))
             assert e2.wait_for([1], 10.0) == [(1, True, None)]
             e2.shutdown()

@@ -161,7 +161,8 @@ def test_transfer_engine_round_trips_bytes() -> None:
     torch = pytest.importorskip("torch")
     kv = torch.randn(16, 2, 8, 16)
     es = kv.element_size()
-    engine = _native.TransferEngine([(kv.data_ptr(), 16, kv[0].numel() * es, kv.stride(0) * es)], 4)
+    regions = [(kv.data_ptr(), 16, kv[0].numel() * es, kv.stride(0) * es)]
+    engine = _native.TransferEngine(regions, 4, [kv])
     orig = kv.clone()
     engine.submit(1, True, ids(3, 4, 9), ids(0, 1, 2))
     assert engine.wait_for([1], 10.0) == [(1, True, None)]
@@ -182,7 +183,7 @@ def test_transfer_engine_reports_bad_ids_as_failed_jobs_or_typed_errors() -> Non
     torch = pytest.importorskip("torch")
     kv = torch.zeros(4, 64)
     es = kv.element_size()
-    engine = _native.TransferEngine([(kv.data_ptr(), 4, 64 * es, 64 * es)], 2)
+    engine = _native.TransferEngine([(kv.data_ptr(), 4, 64 * es, 64 * es)], 2, [kv])
     with pytest.raises(kvoffload.InvalidInputError):
         engine.submit(1, True, ids(1, 2), ids(1))
     with pytest.raises(kvoffload.InvalidInputError):
@@ -193,7 +194,38 @@ def test_transfer_engine_reports_bad_ids_as_failed_jobs_or_typed_errors() -> Non
     assert (tid, ok) == (2, False)
     assert "9" in err
     with pytest.raises(kvoffload.InvalidInputError):
-        _native.TransferEngine([(0, 4, 64, 64)], 2)
+        _native.TransferEngine([(0, 4, 64, 64)], 2, [kv])
     with pytest.raises(kvoffload.InvalidInputError):
         engine.wait_for([2], -1.0)
     engine.shutdown()
+
+
+def test_transfer_engine_checks_regions_against_the_tensors_and_keeps_them_alive() -> None:
+    torch = pytest.importorskip("torch")
+    import gc
+    import weakref
+
+    kv = torch.zeros(4, 64)
+    es = kv.element_size()
+    inside = (kv.data_ptr(), 4, 64 * es, 64 * es)
+    past_the_end = (kv.data_ptr() + es, 4, 64 * es, 64 * es)
+    other = torch.zeros(4, 64)
+    with pytest.raises(kvoffload.InvalidInputError, match="lies in none"):
+        _native.TransferEngine([past_the_end], 2, [kv])
+    with pytest.raises(kvoffload.InvalidInputError, match="lies in none"):
+        _native.TransferEngine([inside], 2, [other])
+    with pytest.raises(kvoffload.InvalidInputError, match="lies in a tensor on cpu"):
+        _native.TransferEngine([inside], 2, [kv], backend="cuda")
+    with pytest.raises(kvoffload.InvalidInputError, match="torch tensors"):
+        _native.TransferEngine([inside], 2, [object()])
+    engine = _native.TransferEngine([inside], 2, [kv])
+    alive = weakref.ref(kv)
+    del kv
+    gc.collect()
+    assert alive() is not None  # the engine copies into it, so it keeps it
+    engine.submit(1, False, ids(3), ids(0))
+    assert engine.wait_for([1], 10.0) == [(1, True, None)]
+    engine.shutdown()
+    del engine
+    gc.collect()
+    assert alive() is None

@@ -42,6 +42,15 @@ def drain(w: OffloadWorker, expect: int) -> tuple[list[int], list[bool]]:
     return got_ids, got_ok
 
 
+def wait_on_device(w: OffloadWorker, runs: int) -> None:
+    """Waits until the engine handed `runs` copy runs to its backend (the job is running)."""
+    assert w.engine is not None
+    deadline = time.monotonic() + 10
+    while dict(w.engine.stats())["runs_submitted"] < runs:
+        assert time.monotonic() < deadline, "the copy never started"
+        time.sleep(0.001)
+
+
 def test_store_then_load_round_trips_and_reports_both() -> None:
     w, kv = make_worker()
     before = {k: t.clone() for k, t in kv.items()}
@@ -78,17 +87,72 @@ def test_preemption_fence_waits_for_that_requests_stores_only() -> None:
     w.shutdown()
 
 
-def test_a_fence_that_times_out_reports_the_store_failed_and_ignores_its_completion(
+def test_a_fence_that_times_out_reports_the_store_only_after_its_copy_ended(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(worker_mod, "PREEMPTION_FENCE_TIMEOUT_S", 0.01)
-    w, _ = make_worker(faults="delay_ms=300")
+    w, kv = make_worker(faults="delay_ms=300")
+    source = {k: t[1].clone() for k, t in kv.items()}
     w.submit(KVOffloadMetadata(store=(1, ids(1), ids(0), ["preempted"])))
+    wait_on_device(w, 2)  # one run per layer
     w.handle_preemptions(KVOffloadMetadata(preempted_req_ids=["preempted"]))
     meta = w.take_worker_meta()
     assert meta is not None
     assert (meta.transfer_ids, meta.ok) == ([1], [False])
+    # The forward pass may now overwrite the preempted request's block: the store already
+    # read it (the CPU block is readable because no copy is in flight any more).
+    engine = w.engine
+    assert engine is not None
+    for t in kv.values():
+        t[1].fill_(7.0)
+    at_report = engine.read_cpu_block(0, 0)
+    assert at_report == source["layer0"].numpy().tobytes()
     time.sleep(0.4)
     w.poll()
-    assert w.take_worker_meta() is None  # the late completion is not reported twice
+    assert w.take_worker_meta() is None  # reported exactly once
+    assert engine.read_cpu_block(0, 0) == at_report
+    # The engine stopped: the next step's copies fail at once, so requests recompute.
+    w.submit(KVOffloadMetadata(loads=[(2, "r", ids(5), ids(0), True, False)]))
+    assert w.take_load_errors() == {5}
     w.shutdown()
+
+
+def test_a_sync_load_that_times_out_reports_only_after_its_copy_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker_mod, "SYNC_LOAD_TIMEOUT_S", 0.01)
+    # Stand in for CUDA's compute event, to check the event lives until the copy is done.
+    monkeypatch.setattr(worker_mod, "record_compute_event", lambda: (object(), None))
+    w, kv = make_worker(faults="delay_ms=300")
+    w._cuda = True
+    w.submit(KVOffloadMetadata(store=(1, ids(2), ids(0), ["r"])))
+    assert drain(w, 1) == ([1], [True])
+    w.submit(KVOffloadMetadata(loads=[(2, "s", ids(6), ids(0), True, True)]))
+    assert set(w._events) == {2}
+    wait_on_device(w, 4)
+    w.finish_sync_loads()
+    # Reported failed (vLLM recomputes block 6), and only once the copy has ended: block 6
+    # no longer changes, and the event was released with the report, not before or never.
+    assert w.take_load_errors() == {6}
+    meta = w.take_worker_meta()
+    assert meta is not None
+    assert (meta.transfer_ids, meta.ok) == ([2], [False])
+    assert w._events == {}
+    at_report = {k: t[6].clone() for k, t in kv.items()}
+    time.sleep(0.4)
+    for k, t in kv.items():
+        assert torch.equal(t[6], at_report[k]), k
+    w.shutdown()
+
+
+def test_shutdown_that_times_out_leaks_the_tensors_instead_of_freeing_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker_mod, "SHUTDOWN_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(worker_mod, "_LEAKED_ON_SHUTDOWN", [])
+    w, kv = make_worker(faults="delay_ms=300")
+    w.submit(KVOffloadMetadata(store=(1, ids(1), ids(0), ["r"])))
+    wait_on_device(w, 2)
+    w.shutdown()
+    (leaked,) = worker_mod._LEAKED_ON_SHUTDOWN
+    assert all(any(t is held for held in leaked[1].values()) for t in kv.values())

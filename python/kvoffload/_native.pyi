@@ -139,12 +139,24 @@ class TransferEngine:
         cls,
         regions: Sequence[tuple[int, int, int, int]],
         num_cpu_blocks: int,
+        tensors: Sequence[Any],
         hugepages: bool = False,
         backend: Literal["host", "cuda"] = "host",
         device: int = 0,
         cuda_batch: bool = True,
         faults: str | None = None,
     ) -> TransferEngine: ...
+    @staticmethod
+    def _unchecked(
+        regions: Sequence[tuple[int, int, int, int]],
+        num_cpu_blocks: int,
+        hugepages: bool = False,
+        backend: Literal["host", "cuda"] = "host",
+        device: int = 0,
+        cuda_batch: bool = True,
+        faults: str | None = None,
+    ) -> TransferEngine:
+        """UNCHECKED raw addresses: a wrong one is memory corruption (tests, tools)."""
     def submit(
         self,
         transfer_id: int,
@@ -171,4 +183,6 @@ class TransferEngine:
     @property
     def ready(self) -> bool: ...
     def wait_ready(self, timeout_s: float) -> None: ...
+    @property
+    def stopped(self) -> str | None: ...
     def stats(self) -> list[tuple[str, int]]: ...

@@ -15,12 +15,20 @@ from kvoffload.vllm_adapter import kv_regions, logger
 if TYPE_CHECKING:
     import torch
 
-#: How long a preempted request's in-flight stores may take before the step goes on
-#: without them (a copy that slow means the device is broken): they are then reported
-#: failed, so nothing they copied is ever served.
+#: How long a preempted request's in-flight stores, or a step's synchronous loads, may take
+#: before the worker gives up on the device (a copy that slow means the device is broken).
+#: Giving up stops the transfer engine for good (``TransferEngine.wait_for``): the wait
+#: still returns only once the copies already running have ended, so a copy is never
+#: reported finished while it can still write, and every later copy fails, so requests
+#: recompute instead of waiting on the device again.
 PREEMPTION_FENCE_TIMEOUT_S = 30.0
 SYNC_LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 5.0
+
+#: What a worker whose engine did not stop in time keeps alive for the rest of the process:
+#: the copy thread may still write into the registered KV tensors (and read torch events),
+#: so they are leaked rather than freed under it.
+_LEAKED_ON_SHUTDOWN: list[tuple[Any, ...]] = []
 
 
 def block_list(raw: bytes) -> list[int]:
@@ -56,13 +64,14 @@ class OffloadWorker:
         self._done_ok: list[bool] = []
         self._load_errors: set[int] = set()
         self._sync_loads: list[int] = []
-        # Loads already reported failed whose copies may still complete later.
-        self._abandoned: set[int] = set()
         self._stats = CounterDeltas()
         # CUDA backend: the compute-stream event each in-flight copy waits on, kept alive
-        # until the copy completes (the engine's stream waits on it; see cuda_events).
+        # until the engine reports the copy done (its stream waits on it; see cuda_events).
         self._cuda = False
         self._events: dict[int, Any] = {}
+        # The registered KV tensors: the engine copies into them, so they stay referenced
+        # for as long as its copy thread may run.
+        self._kv_caches: dict[str, torch.Tensor] = {}
 
     @property
     def engine(self) -> TransferEngine | None:
@@ -80,9 +89,16 @@ class OffloadWorker:
             raise KVOffloadError(msg)
         backend, device = engine_backend(kv_caches)
         self._cuda = backend == CUDA
+        self._kv_caches = dict(kv_caches)
+        tensors = [
+            t
+            for value in kv_caches.values()
+            for t in (value if isinstance(value, (list, tuple)) else [value])
+        ]
         self._engine = TransferEngine(
             [(r.base, r.num_blocks, r.block_bytes, r.block_stride) for r in regions],
             self._num_cpu_blocks,
+            tensors,
             backend=backend,
             device=device,
             faults=self._faults,
@@ -104,18 +120,7 @@ class OffloadWorker:
         fence = [tid for tid, reqs in self._stores.items() if not reqs.isdisjoint(preempted)]
         if not fence:
             return
-        try:
-            done = self._engine.wait_for(fence, PREEMPTION_FENCE_TIMEOUT_S)
-        except KVOffloadError as e:
-            # The forward pass may now overwrite what these stores read: never publish
-            # them (their late completions are ignored).
-            logger.error("kvoffload: waiting for stores of preempted requests failed: %s", e)
-            for tid in fence:
-                self._record(tid, False, str(e))
-                self._abandoned.add(tid)
-            return
-        for tid, ok, err in done:
-            self._record(tid, ok, err)
+        self._wait(fence, PREEMPTION_FENCE_TIMEOUT_S, "stores of preempted requests")
 
     def submit(self, metadata: KVOffloadMetadata) -> None:
         self._sync_loads = []
@@ -164,17 +169,25 @@ class OffloadWorker:
         if not self._sync_loads or self._engine is None:
             return
         pending, self._sync_loads = self._sync_loads, []
-        try:
-            done = self._engine.wait_for(pending, SYNC_LOAD_TIMEOUT_S)
-        except KVOffloadError as e:
-            # The blocks cannot be trusted: report them failed so vLLM recomputes.
-            logger.error("kvoffload: synchronous loads did not finish: %s", e)
-            for tid in pending:
-                gpu = self._loads.pop(tid, None)
-                if gpu is not None:
-                    self._abandoned.add(tid)
-                    self._fail_load(tid, gpu, str(e))
+        self._wait(pending, SYNC_LOAD_TIMEOUT_S, "synchronous loads")
+
+    def _wait(self, tids: list[int], timeout_s: float, what: str) -> None:
+        """Waits for `tids` and records their completions. A timeout stops the engine but the
+        wait still ends only after the running copies did, so each completion recorded here
+        (a failure included) means that copy no longer touches its blocks."""
+        if self._engine is None:
             return
+        try:
+            done = self._engine.wait_for(tids, timeout_s)
+        except KVOffloadError as e:
+            # Only a dead copy thread gets here, and then nothing copies any more.
+            logger.error("kvoffload: waiting for %s failed: %s", what, e)
+            done = [
+                (tid, False, str(e)) for tid in tids if tid in self._loads or tid in self._stores
+            ]
+        failed = [err for _tid, ok, err in done if not ok]
+        if failed:
+            logger.error("kvoffload: %d of the %s failed: %s", len(failed), what, failed[0])
         for tid, ok, err in done:
             self._record(tid, ok, err)
 
@@ -206,7 +219,17 @@ class OffloadWorker:
         try:
             self._engine.shutdown(SHUTDOWN_TIMEOUT_S)
         except KVOffloadError as e:
-            logger.warning("kvoffload: transfer engine shutdown: %s", e)
+            # The copy thread still runs: it keeps the host memory itself, and the KV tensors
+            # and events it may touch must outlive it, so they are never freed.
+            logger.error(
+                "kvoffload: transfer engine did not stop (%s); leaking %d KV tensors and %d "
+                "events rather than freeing memory a copy may still write",
+                e,
+                len(self._kv_caches),
+                len(self._events),
+            )
+            _LEAKED_ON_SHUTDOWN.append((self._engine, self._kv_caches, self._events))
+        self._kv_caches, self._events = {}, {}
 
     def _fail_load(self, tid: int, gpu: bytes, why: str) -> None:
         logger.warning("kvoffload: load %d failed: %s", tid, why)
@@ -215,9 +238,7 @@ class OffloadWorker:
         self._done_ok.append(False)
 
     def _record(self, tid: int, ok: bool, err: str | None) -> None:
-        if tid in self._abandoned:
-            self._abandoned.discard(tid)
-            return
+        """One completion reported by the engine: the copy has ended, so its event may go."""
         gpu = self._loads.pop(tid, None)
         self._stores.pop(tid, None)
         self._events.pop(tid, None)

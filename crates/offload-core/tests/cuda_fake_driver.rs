@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};
@@ -14,13 +16,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use offload_core::memory::HostMemoryOptions;
+use common::transfer::{run_one, FakeGpu, WAIT};
 use offload_core::transfer::{
-    BatchApi, Completion, CopyBackend, CudaCopyBackend, CudaDriver, CudaError, CudaOptions,
-    Direction, RegionSpec, TransferConfig, TransferEngine, TransferError, TransferJob,
+    BatchApi, CopyBackend, CudaCopyBackend, CudaDriver, CudaError, CudaOptions, Direction,
+    JobError, ReadyError, RegionSpec, SubmitError, TransferConfig, TransferEngine, TransferJob,
 };
 
-const WAIT: Duration = Duration::from_secs(20);
 const CUDA_ERROR_INVALID_VALUE: i32 = 1;
 const CUDA_ERROR_ILLEGAL_ADDRESS: i32 = 700;
 
@@ -192,67 +193,12 @@ impl Drop for Fake {
     }
 }
 
-// ---- "device" memory and engines -----------------------------------------------------------
-
-/// Stand-in for device memory: touched only through its raw pointer while jobs run.
-struct DeviceBuf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl DeviceBuf {
-    fn new(len: usize) -> Self {
-        let ptr = Box::into_raw(vec![0u8; len].into_boxed_slice()).cast::<u8>();
-        Self { ptr, len }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr` owns `len` bytes; called only while no job touches them.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    #[allow(clippy::mut_from_ref)]
-    fn bytes_mut(&self) -> &mut [u8] {
-        // SAFETY: as in `bytes`.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-
-    fn fill_random(&self, seed: u64) {
-        let mut x = seed | 1;
-        for b in self.bytes_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = x as u8;
-        }
-    }
-
-    fn region(&self, num_blocks: u32, block_bytes: usize) -> RegionSpec {
-        assert!(num_blocks as usize * block_bytes <= self.len);
-        // SAFETY: the region lies in this buffer, which outlives the engine in every test.
-        unsafe { RegionSpec::new(self.ptr as u64, num_blocks, block_bytes, block_bytes) }.unwrap()
-    }
-
-    fn block(&self, id: u32, block_bytes: usize) -> &[u8] {
-        &self.bytes()[id as usize * block_bytes..(id as usize + 1) * block_bytes]
-    }
-}
-
-impl Drop for DeviceBuf {
-    fn drop(&mut self) {
-        // SAFETY: from `Box::into_raw` of a boxed slice of this length.
-        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
-    }
-}
+// ---- engines -----------------------------------------------------------
 
 fn config() -> TransferConfig {
     TransferConfig {
         poll_interval: Duration::from_micros(20),
-        memory: HostMemoryOptions {
-            first_touch: false,
-            ..HostMemoryOptions::default()
-        },
-        ..TransferConfig::default()
+        ..common::transfer::config()
     }
 }
 
@@ -260,13 +206,6 @@ fn engine(regions: Vec<RegionSpec>, cpu_blocks: u32, backend: CudaCopyBackend) -
     let engine = TransferEngine::with_backend(regions, cpu_blocks, config(), backend).unwrap();
     engine.wait_ready(WAIT).unwrap();
     engine
-}
-
-fn run(engine: &TransferEngine, job: TransferJob) -> Completion {
-    let id = job.id;
-    engine.submit(job).unwrap();
-    let mut done = engine.wait_for(&[id], WAIT).unwrap();
-    done.remove(0)
 }
 
 fn store(id: u64, pairs: &[(u32, u32)]) -> TransferJob {
@@ -279,14 +218,14 @@ fn load(id: u64, pairs: &[(u32, u32)]) -> TransferJob {
 
 /// Stores `pairs`, wipes the device, loads the CPU blocks back to `dst` device ids, and
 /// checks every byte.
-fn round_trip(engine: &TransferEngine, gpu: &DeviceBuf, block: usize, pairs: &[(u32, u32)]) {
+fn round_trip(engine: &TransferEngine, gpu: &FakeGpu, block: usize, pairs: &[(u32, u32)]) {
     let original = gpu.bytes().to_vec();
-    assert_eq!(run(engine, store(1_000, pairs)).result, Ok(()));
+    assert_eq!(run_one(engine, store(1_000, pairs)).result, Ok(()));
     gpu.bytes_mut().fill(0);
-    assert_eq!(run(engine, load(1_001, pairs)).result, Ok(()));
+    assert_eq!(run_one(engine, load(1_001, pairs)).result, Ok(()));
     for &(g, _) in pairs {
         let at = g as usize * block;
-        assert_eq!(gpu.block(g, block), &original[at..at + block], "block {g}");
+        assert_eq!(gpu.read(at, block), &original[at..at + block], "block {g}");
     }
 }
 
@@ -310,9 +249,9 @@ fn check_path(fake: &Fake, version: i32, expected: BatchApi, log_token: &str) {
     fake.set("fake_set_version", version);
     let backend = fake.backend(CudaOptions::default());
     assert_eq!(backend.batch_api(), expected);
-    let gpu = DeviceBuf::new(16 * 256);
+    let gpu = FakeGpu::new(16 * 256);
     gpu.fill_random(u64::from(version.unsigned_abs()));
-    let engine = engine(vec![gpu.region(16, 256)], 16, backend);
+    let engine = engine(vec![gpu.region(16, 256, 256)], 16, backend);
     round_trip(&engine, &gpu, 256, SCATTERED);
     let log = fake.log();
     assert!(log.contains(log_token), "{log}");
@@ -388,8 +327,8 @@ fn the_stream_is_non_blocking_at_the_lowest_priority_on_the_primary_context() {
         backend.describe(),
         "cuda (driver 13.0, device 0, cuMemcpyBatchAsync_v2)"
     );
-    let gpu = DeviceBuf::new(4 * 64);
-    let engine = engine(vec![gpu.region(4, 64)], 4, backend);
+    let gpu = FakeGpu::new(4 * 64);
+    let engine = engine(vec![gpu.region(4, 64, 64)], 4, backend);
     assert_eq!(engine.backend_name(), "cuda");
     assert!(engine.backend_detail().contains("driver 13.0"));
     assert_eq!(fake.get_int("fake_last_stream_flags"), 1); // CU_STREAM_NON_BLOCKING
@@ -397,7 +336,11 @@ fn the_stream_is_non_blocking_at_the_lowest_priority_on_the_primary_context() {
     assert_eq!(fake.get_int("fake_ctx_refs"), 1);
     assert_eq!(fake.get_int("fake_registrations"), 1);
     let log = fake.log();
-    assert!(log.starts_with("retain stream register"), "{log}");
+    // A load stream one priority step above the store stream, which has the least.
+    assert!(
+        log.starts_with("retain stream:-1 stream:0 register"),
+        "{log}"
+    );
     drop(engine);
     assert_released(&fake);
     assert!(fake.log().contains("unregister release"), "{}", fake.log());
@@ -406,17 +349,17 @@ fn the_stream_is_non_blocking_at_the_lowest_priority_on_the_primary_context() {
 #[test]
 fn optional_symbols_may_be_missing() {
     let fake = Fake::new(&["-DNO_ERROR_NAME", "-DNO_PRIORITY_RANGE"]);
-    let gpu = DeviceBuf::new(16 * 64);
+    let gpu = FakeGpu::new(16 * 64);
     gpu.fill_random(5);
     let engine = engine(
-        vec![gpu.region(16, 64)],
+        vec![gpu.region(16, 64, 64)],
         16,
         fake.backend(CudaOptions::default()),
     );
     round_trip(&engine, &gpu, 64, SCATTERED);
     // Without cuGetErrorName the built-in names still name the code.
     fake.fail_copy_at(0, CUDA_ERROR_INVALID_VALUE);
-    let err = run(&engine, store(1, &[(0, 0)])).result.unwrap_err();
+    let err = run_one(&engine, store(1, &[(0, 0)])).result.unwrap_err();
     assert!(
         err.to_string().contains("CUDA_ERROR_INVALID_VALUE (1)"),
         "{err}"
@@ -519,11 +462,11 @@ fn a_failed_attach_is_fatal_and_never_ready() {
     let backend = fake.backend(CudaOptions::default());
     // The device vanishes between construction and attach.
     fake.set("fake_set_device_count", 0);
-    let gpu = DeviceBuf::new(4 * 64);
+    let gpu = FakeGpu::new(4 * 64);
     let engine =
-        TransferEngine::with_backend(vec![gpu.region(4, 64)], 4, config(), backend).unwrap();
+        TransferEngine::with_backend(vec![gpu.region(4, 64, 64)], 4, config(), backend).unwrap();
     let err = engine.wait_ready(WAIT).unwrap_err();
-    assert!(matches!(err, TransferError::Fatal { .. }), "{err:?}");
+    assert!(matches!(err, ReadyError::Stopped { .. }), "{err:?}");
     assert!(
         err.to_string().contains("cuDevicePrimaryCtxRetain"),
         "{err}"
@@ -542,10 +485,10 @@ fn a_failed_attach_is_fatal_and_never_ready() {
 fn the_engine_is_not_ready_until_pinned_and_early_jobs_wait() {
     let fake = Fake::full();
     fake.set("fake_set_register_delay_ms", 300);
-    let gpu = DeviceBuf::new(8 * 128);
+    let gpu = FakeGpu::new(8 * 128);
     gpu.fill_random(77);
     let engine = TransferEngine::with_backend(
-        vec![gpu.region(8, 128)],
+        vec![gpu.region(8, 128, 128)],
         8,
         config(),
         fake.backend(CudaOptions::default()),
@@ -554,7 +497,7 @@ fn the_engine_is_not_ready_until_pinned_and_early_jobs_wait() {
     assert!(!engine.is_ready());
     assert!(matches!(
         engine.wait_ready(Duration::from_millis(10)),
-        Err(TransferError::NotReady { timeout_ms: 10 })
+        Err(ReadyError::NotReady { timeout_ms: 10 })
     ));
     // Queued before the memory is pinned: it runs once it is.
     engine.submit(store(1, &[(2, 3)])).unwrap();
@@ -568,13 +511,13 @@ fn the_engine_is_not_ready_until_pinned_and_early_jobs_wait() {
 fn pinning_is_chunked_and_no_copy_spans_two_chunks() {
     let fake = Fake::full();
     // 40 CPU blocks of 1000 bytes: 40000 bytes pinned in 8192-byte chunks.
-    let gpu = DeviceBuf::new(40 * 1000);
+    let gpu = FakeGpu::new(40 * 1000);
     gpu.fill_random(3);
     let backend = fake.backend(CudaOptions {
         pin_chunk_bytes: 8192,
         ..CudaOptions::default()
     });
-    let engine = engine(vec![gpu.region(40, 1000)], 40, backend);
+    let engine = engine(vec![gpu.region(40, 1000, 1000)], 40, backend);
     assert_eq!(fake.get_int("fake_registrations"), 5);
     assert_eq!(fake.get("fake_registered_bytes"), 40_000);
     // All 40 blocks in one run: the fake fails any copy that spans two registrations.
@@ -590,31 +533,31 @@ fn pinning_is_chunked_and_no_copy_spans_two_chunks() {
 #[test]
 fn consecutive_ids_become_one_descriptor_per_region() {
     let fake = Fake::full();
-    let (a, b) = (DeviceBuf::new(16 * 32), DeviceBuf::new(16 * 48));
+    let (a, b) = (FakeGpu::new(16 * 32), FakeGpu::new(16 * 48));
     a.fill_random(1);
     b.fill_random(2);
     let engine = engine(
-        vec![a.region(16, 32), b.region(16, 48)],
+        vec![a.region(16, 32, 32), b.region(16, 48, 48)],
         16,
         fake.backend(CudaOptions::default()),
     );
     // Two runs ((0..3 -> 4..7), (9 -> 1)) in two regions: four copies.
     let pairs = [(0, 4), (1, 5), (2, 6), (9, 1)];
-    assert_eq!(run(&engine, store(1, &pairs)).result, Ok(()));
+    assert_eq!(run_one(&engine, store(1, &pairs)).result, Ok(()));
     assert_eq!(fake.get("fake_last_batch_count"), 4);
     assert_eq!(engine.stats().runs_submitted, 4);
     // Fully scattered: one copy per block and region.
     let pairs = [(0, 9), (5, 3), (2, 11)];
-    assert_eq!(run(&engine, store(2, &pairs)).result, Ok(()));
+    assert_eq!(run_one(&engine, store(2, &pairs)).result, Ok(()));
     assert_eq!(fake.get("fake_last_batch_count"), 6);
 }
 
 #[test]
 fn the_loop_issues_one_memcpy_per_coalesced_run() {
     let fake = Fake::full();
-    let gpu = DeviceBuf::new(16 * 32);
+    let gpu = FakeGpu::new(16 * 32);
     let engine = engine(
-        vec![gpu.region(16, 32)],
+        vec![gpu.region(16, 32, 32)],
         16,
         fake.backend(CudaOptions {
             allow_batch: false,
@@ -622,7 +565,7 @@ fn the_loop_issues_one_memcpy_per_coalesced_run() {
         }),
     );
     let pairs = [(0, 4), (1, 5), (2, 6), (9, 1), (10, 2), (14, 15)];
-    assert_eq!(run(&engine, store(1, &pairs)).result, Ok(()));
+    assert_eq!(run_one(&engine, store(1, &pairs)).result, Ok(()));
     assert_eq!(fake.get("fake_memcpy_calls"), 3);
 }
 
@@ -632,10 +575,10 @@ fn a_cross_layer_region_with_megabyte_blocks_round_trips() {
     // One region for all layers: 32 layers x 2 (K, V) x 16 tokens x 8 heads x 128 x 2 bytes
     // would be 2 MiB per block; use 1 MiB blocks to keep the test light.
     let block = 1 << 20;
-    let gpu = DeviceBuf::new(12 * block);
+    let gpu = FakeGpu::new(12 * block);
     gpu.fill_random(9);
     let engine = engine(
-        vec![gpu.region(12, block)],
+        vec![gpu.region(12, block, block)],
         8,
         fake.backend(CudaOptions::default()),
     );
@@ -654,10 +597,10 @@ fn a_cross_layer_region_with_megabyte_blocks_round_trips() {
 fn a_store_waits_for_the_compute_event_before_reading() {
     let fake = Fake::full();
     let block = 64;
-    let gpu = DeviceBuf::new(8 * block);
+    let gpu = FakeGpu::new(8 * block);
     gpu.bytes_mut().fill(0x11);
     let mut engine = engine(
-        vec![gpu.region(8, block)],
+        vec![gpu.region(8, block, block)],
         8,
         fake.backend(CudaOptions::default()),
     );
@@ -691,10 +634,10 @@ fn a_store_waits_for_the_compute_event_before_reading() {
 fn completion_is_polled_not_assumed() {
     let fake = Fake::full();
     fake.set("fake_set_query_delay", 5);
-    let gpu = DeviceBuf::new(16 * 64);
+    let gpu = FakeGpu::new(16 * 64);
     gpu.fill_random(12);
     let engine = engine(
-        vec![gpu.region(16, 64)],
+        vec![gpu.region(16, 64, 64)],
         16,
         fake.backend(CudaOptions::default()),
     );
@@ -714,17 +657,17 @@ fn completion_is_polled_not_assumed() {
 
 fn failed_copy_fails_only_its_job(options: CudaOptions, fail_at: i64) {
     let fake = Fake::full();
-    let gpu = DeviceBuf::new(16 * 64);
+    let gpu = FakeGpu::new(16 * 64);
     gpu.fill_random(21);
-    let engine = engine(vec![gpu.region(16, 64)], 16, fake.backend(options));
+    let engine = engine(vec![gpu.region(16, 64, 64)], 16, fake.backend(options));
     // Job 1 copies three runs; its copy call number `fail_at` fails.
     fake.fail_copy_at(fail_at, CUDA_ERROR_INVALID_VALUE);
     let started = Instant::now();
-    let done = run(&engine, store(1, &[(0, 0), (3, 1), (6, 2)]));
+    let done = run_one(&engine, store(1, &[(0, 0), (3, 1), (6, 2)]));
     assert!(started.elapsed() < WAIT);
     let err = done.result.unwrap_err();
     assert!(
-        matches!(err, TransferError::Backend { fatal: false, .. }),
+        matches!(err, JobError::Backend { fatal: false, .. }),
         "{err:?}"
     );
     assert!(
@@ -732,7 +675,7 @@ fn failed_copy_fails_only_its_job(options: CudaOptions, fail_at: i64) {
         "{err}"
     );
     assert_eq!(done.bytes, 0);
-    assert_eq!(engine.fatal_error(), None);
+    assert_eq!(engine.stopped(), None);
     // Later jobs are unaffected.
     round_trip(&engine, &gpu, 64, SCATTERED);
     assert_eq!(engine.stats().jobs_failed, 1);
@@ -760,44 +703,44 @@ fn a_failed_loop_copy_midway_is_reported_not_hung() {
 #[test]
 fn an_asynchronous_error_fails_its_job() {
     let fake = Fake::full();
-    let gpu = DeviceBuf::new(4 * 64);
+    let gpu = FakeGpu::new(4 * 64);
     let engine = engine(
-        vec![gpu.region(4, 64)],
+        vec![gpu.region(4, 64, 64)],
         4,
         fake.backend(CudaOptions::default()),
     );
     fake.set("fake_fail_next_query", CUDA_ERROR_INVALID_VALUE);
-    let err = run(&engine, load(1, &[(0, 0)])).result.unwrap_err();
+    let err = run_one(&engine, load(1, &[(0, 0)])).result.unwrap_err();
     assert!(err.to_string().contains("cuEventQuery failed"), "{err}");
-    assert_eq!(engine.fatal_error(), None);
-    assert_eq!(run(&engine, load(2, &[(1, 1)])).result, Ok(()));
+    assert_eq!(engine.stopped(), None);
+    assert_eq!(run_one(&engine, load(2, &[(1, 1)])).result, Ok(()));
 }
 
 #[test]
 fn a_sticky_error_is_fatal_and_named_in_every_later_call() {
     let fake = Fake::full();
-    let gpu = DeviceBuf::new(4 * 64);
+    let gpu = FakeGpu::new(4 * 64);
     let engine = engine(
-        vec![gpu.region(4, 64)],
+        vec![gpu.region(4, 64, 64)],
         4,
         fake.backend(CudaOptions::default()),
     );
-    assert_eq!(run(&engine, store(1, &[(0, 0)])).result, Ok(()));
+    assert_eq!(run_one(&engine, store(1, &[(0, 0)])).result, Ok(()));
     // The device faults while copying job 2.
     fake.set("fake_fail_next_query", CUDA_ERROR_ILLEGAL_ADDRESS);
-    let err = run(&engine, store(2, &[(1, 1)])).result.unwrap_err();
+    let err = run_one(&engine, store(2, &[(1, 1)])).result.unwrap_err();
     assert!(
-        matches!(err, TransferError::Backend { fatal: true, .. }),
+        matches!(err, JobError::Backend { fatal: true, .. }),
         "{err:?}"
     );
     let later = engine.submit(store(3, &[(2, 2)])).unwrap_err();
-    assert!(matches!(later, TransferError::Fatal { .. }), "{later:?}");
+    assert!(matches!(later, SubmitError::Stopped { .. }), "{later:?}");
     assert!(
         later.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
         "{later}"
     );
     assert!(engine
-        .fatal_error()
+        .stopped()
         .unwrap()
         .contains("CUDA_ERROR_ILLEGAL_ADDRESS"));
     // Shutting down a poisoned context must not hang or panic.
@@ -809,16 +752,16 @@ fn a_sticky_error_is_fatal_and_named_in_every_later_call() {
 #[test]
 fn a_sticky_error_at_submission_is_fatal() {
     let fake = Fake::full();
-    let gpu = DeviceBuf::new(4 * 64);
+    let gpu = FakeGpu::new(4 * 64);
     let engine = engine(
-        vec![gpu.region(4, 64)],
+        vec![gpu.region(4, 64, 64)],
         4,
         fake.backend(CudaOptions::default()),
     );
     fake.fail_copy_at(0, CUDA_ERROR_ILLEGAL_ADDRESS);
-    let err = run(&engine, store(1, &[(0, 0)])).result.unwrap_err();
+    let err = run_one(&engine, store(1, &[(0, 0)])).result.unwrap_err();
     assert!(
-        matches!(err, TransferError::Backend { fatal: true, .. }),
+        matches!(err, JobError::Backend { fatal: true, .. }),
         "{err:?}"
     );
     let later = engine.submit(load(2, &[(0, 0)])).unwrap_err();
@@ -831,14 +774,14 @@ fn a_sticky_error_at_submission_is_fatal() {
 #[test]
 fn an_invalid_wait_event_fails_only_its_job() {
     let fake = Fake::full();
-    let gpu = DeviceBuf::new(4 * 64);
+    let gpu = FakeGpu::new(4 * 64);
     let engine = engine(
-        vec![gpu.region(4, 64)],
+        vec![gpu.region(4, 64, 64)],
         4,
         fake.backend(CudaOptions::default()),
     );
     let bogus = Box::into_raw(Box::new(0u64)) as u64;
-    let err = run(&engine, store(1, &[(0, 0)]).with_wait_event(bogus))
+    let err = run_one(&engine, store(1, &[(0, 0)]).with_wait_event(bogus))
         .result
         .unwrap_err();
     // SAFETY: from `Box::into_raw` above.
@@ -848,5 +791,77 @@ fn an_invalid_wait_event_fails_only_its_job() {
         err.to_string().contains("CUDA_ERROR_INVALID_HANDLE"),
         "{err}"
     );
-    assert_eq!(run(&engine, store(2, &[(0, 0)])).result, Ok(()));
+    assert_eq!(run_one(&engine, store(2, &[(0, 0)])).result, Ok(()));
+}
+
+#[test]
+fn a_failed_event_record_after_the_copies_were_enqueued_is_reported_after_they_ran() {
+    let fake = Fake::full();
+    let block = 64;
+    let gpu = FakeGpu::new(8 * block);
+    gpu.bytes_mut().fill(0x5A);
+    let mut engine = engine(
+        vec![gpu.region(8, block, block)],
+        8,
+        fake.backend(CudaOptions::default()),
+    );
+    // The store's copy is enqueued behind the compute event, so it cannot run yet, and then
+    // recording the job's own event fails.
+    let compute_done = fake.user_event();
+    fake.set("fake_fail_next_record", CUDA_ERROR_INVALID_VALUE);
+    engine
+        .submit(store(1, &[(2, 5)]).with_wait_event(compute_done))
+        .unwrap();
+    let (done, at_report) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            // The compute stream finishes once the backend is draining its stream (or after
+            // a while, for a backend that reports without draining).
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while !fake.log().contains("sync") && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            fake.user_event_call(b"fake_user_event_complete", compute_done);
+        });
+        let done = engine.wait_for(&[1], WAIT).unwrap();
+        // At the report, the copy that was enqueued has already written its destination.
+        (done, engine.cpu_block_slice(0, 5).unwrap().to_vec())
+    });
+    let err = done[0].result.clone().unwrap_err();
+    assert!(err.to_string().contains("cuEventRecord"), "{err}");
+    assert_eq!(at_report, [0x5A; 64]);
+    assert_eq!(engine.stopped(), None);
+    fake.user_event_call(b"fake_user_event_destroy", compute_done);
+}
+
+#[test]
+fn a_load_is_not_queued_behind_a_store_on_the_device() {
+    let fake = Fake::full();
+    let block = 64;
+    let gpu = FakeGpu::new(8 * block);
+    gpu.fill_random(6);
+    let engine = engine(
+        vec![gpu.region(8, block, block)],
+        8,
+        fake.backend(CudaOptions::default()),
+    );
+    // The store waits for a forward pass that is still running.
+    let compute_done = fake.user_event();
+    engine
+        .submit(store(1, &[(2, 5)]).with_wait_event(compute_done))
+        .unwrap();
+    engine.submit(load(2, &[(6, 0)])).unwrap();
+    let (finished_tx, finished_rx) = crossbeam_channel::bounded::<()>(1);
+    let done = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            // A backstop for a backend that puts the load behind the store.
+            let _ = finished_rx.recv_timeout(Duration::from_secs(2));
+            fake.user_event_call(b"fake_user_event_complete", compute_done);
+        });
+        let done = engine.wait_for(&[2], Duration::from_secs(1)).unwrap();
+        let _ = finished_tx.send(());
+        done
+    });
+    assert_eq!(done[0].result, Ok(()), "the load waited behind the store");
+    assert_eq!(engine.wait_for(&[1], WAIT).unwrap()[0].result, Ok(()));
+    fake.user_event_call(b"fake_user_event_destroy", compute_done);
 }

@@ -1,43 +1,36 @@
 //! Long randomized stress test of the planner driving the real transfer engine (host
-//! backend with injected failures and delayed completions), playing vLLM's part: request
+//! backend with injected failures, behind a device whose copies take a number of harness
+//! steps), playing vLLM's part: request
 //! arrivals, partial hit acceptance, computation, preemption, finishes with delayed frees,
 //! resets. After every step it checks that no GPU or CPU block is double-owned, that pins
 //! balance and the pool stays within budget, and that every load wrote exactly the bytes
 //! that were stored for its hashes.
+//!
+//! Copies complete on the harness's own clock, one tick per step, never on wall time, and
+//! the harness collects exactly the jobs due at each tick: the same seed exercises the same
+//! paths in debug and release builds, on fast and slow machines.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use offload_core::transfer::{
-    Completion, Direction, FaultInjector, FaultPlan, HostCopyBackend, RegionSpec, TransferConfig,
-    TransferEngine, TransferJob,
+    Completion, Direction, FaultInjector, FaultPlan, HostCopyBackend, RegionSpec, TransferEngine,
+    TransferJob,
 };
-use offload_core::{BlockHash, Planner, PlannerConfig};
+use offload_core::{BlockHash, Planner, PlannerConfig, ScheduleKind, ScheduledRequest, StepPlan};
+
+use common::rng::Rng;
+use common::transfer::{config, Clock, FakeGpu, SlowDevice, WAIT};
 
 const BS: usize = 16;
 const GPU_BLOCKS: u32 = 96;
 const CPU_BLOCKS: u32 = 40;
 const BLOCK_BYTES: usize = 64;
 const REGIONS: usize = 2;
-
-/// xorshift64*: deterministic, dependency-free randomness per seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 /// What a block holding `hash` contains in `region`: derived from the hash alone.
 fn pattern(hash: BlockHash, region: usize) -> [u8; BLOCK_BYTES] {
@@ -49,65 +42,40 @@ fn pattern(hash: BlockHash, region: usize) -> [u8; BLOCK_BYTES] {
     out
 }
 
-/// Simulated GPU memory, accessed only through raw pointers so the copy thread's reads
-/// and writes of other blocks never alias a Rust reference.
-struct GpuMemory {
-    /// Owns the memory behind `ptrs`.
-    _bufs: Vec<Vec<u8>>,
-    ptrs: Vec<*mut u8>,
-}
+/// Simulated GPU memory: one fake device buffer per region.
+struct GpuMemory(Vec<FakeGpu>);
 
 impl GpuMemory {
     fn new() -> Self {
-        let mut bufs: Vec<Vec<u8>> = (0..REGIONS)
-            .map(|_| vec![0u8; GPU_BLOCKS as usize * BLOCK_BYTES])
-            .collect();
-        let ptrs = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
-        Self { _bufs: bufs, ptrs }
+        Self(
+            (0..REGIONS)
+                .map(|_| FakeGpu::new(GPU_BLOCKS as usize * BLOCK_BYTES))
+                .collect(),
+        )
     }
 
     fn regions(&self) -> Vec<RegionSpec> {
-        self.ptrs
+        self.0
             .iter()
-            .map(|p| {
-                // SAFETY: the buffers live in `self`, which the test keeps alive (and
-                // unmoved, the heap allocations never move) until the engine is dropped;
-                // blocks in flight are never touched by the test (see `write`).
-                unsafe { RegionSpec::new(*p as u64, GPU_BLOCKS, BLOCK_BYTES, BLOCK_BYTES) }.unwrap()
-            })
+            .map(|buf| buf.region(GPU_BLOCKS, BLOCK_BYTES, BLOCK_BYTES))
             .collect()
     }
 
-    /// The forward pass computing block `gpu` as `hash`.
+    /// The forward pass computing block `gpu` as `hash`. No transfer in flight reads or
+    /// writes this block (the harness fences stores of preempted requests and frees blocks
+    /// only after their stores completed).
     fn write(&self, gpu: u32, hash: BlockHash) {
-        for (r, p) in self.ptrs.iter().enumerate() {
-            let src = pattern(hash, r);
-            // SAFETY: in bounds; no transfer in flight reads or writes this block (the
-            // harness fences stores of preempted requests and frees blocks only after
-            // their stores completed).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    src.as_ptr(),
-                    p.add(gpu as usize * BLOCK_BYTES),
-                    BLOCK_BYTES,
-                )
-            };
+        for (r, buf) in self.0.iter().enumerate() {
+            buf.write(gpu as usize * BLOCK_BYTES, &pattern(hash, r));
         }
     }
 
+    /// Whether block `gpu` holds `hash`'s bytes; the load that wrote it has completed.
     fn holds(&self, gpu: u32, hash: BlockHash) -> bool {
-        (0..REGIONS).all(|r| {
-            let mut got = [0u8; BLOCK_BYTES];
-            // SAFETY: in bounds; the load that wrote this block has completed.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.ptrs[r].add(gpu as usize * BLOCK_BYTES),
-                    got.as_mut_ptr(),
-                    BLOCK_BYTES,
-                )
-            };
-            got == pattern(hash, r)
-        })
+        self.0
+            .iter()
+            .enumerate()
+            .all(|(r, buf)| buf.read(gpu as usize * BLOCK_BYTES, BLOCK_BYTES) == pattern(hash, r))
     }
 }
 
@@ -146,25 +114,33 @@ struct Harness {
     stores: HashMap<u64, Vec<String>>,
     loads_verified: u64,
     failed_loads: u64,
+    clock: Clock,
+    /// Steps a copy takes.
+    latency: u64,
+    /// Jobs submitted and not yet collected, with the tick at which each is complete.
+    due: BTreeMap<u64, u64>,
+    /// The latest due tick: completions keep submission order, so no job is done earlier.
+    last_due: u64,
+    /// Jobs handed to the device (by the copy thread), and how many the harness gave it.
+    accepted: Arc<AtomicU64>,
+    nonempty_submitted: u64,
 }
 
 impl Harness {
-    fn new(seed: u64, plan: FaultPlan) -> Self {
+    fn new(seed: u64, plan: FaultPlan, latency: u64) -> Self {
         let gpu_mem = GpuMemory::new();
-        let engine = TransferEngine::with_backend(
-            gpu_mem.regions(),
-            CPU_BLOCKS,
-            TransferConfig::default(),
+        let clock = Clock::default();
+        let device = SlowDevice::wrapping(
             FaultInjector::new(HostCopyBackend::new(), plan),
-        )
-        .unwrap();
+            clock.clone(),
+            latency,
+        );
+        let accepted = device.accepted();
+        let engine =
+            TransferEngine::with_backend(gpu_mem.regions(), CPU_BLOCKS, config(), device).unwrap();
         Self {
-            rng: Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
-            planner: Planner::new(PlannerConfig {
-                block_size: BS as u32,
-                num_cpu_blocks: CPU_BLOCKS,
-                ..PlannerConfig::default()
-            }),
+            rng: Rng::new(seed),
+            planner: Planner::new(PlannerConfig::new(BS as u32, CPU_BLOCKS)),
             engine,
             gpu_mem,
             gpu_free: (0..GPU_BLOCKS).collect(),
@@ -173,7 +149,53 @@ impl Harness {
             stores: HashMap::new(),
             loads_verified: 0,
             failed_loads: 0,
+            clock,
+            latency,
+            due: BTreeMap::new(),
+            last_due: 0,
+            accepted,
+            nonempty_submitted: 0,
         }
+    }
+
+    /// Hands `job` to the engine, noting when it will be complete.
+    fn send(&mut self, job: TransferJob) {
+        let due = if job.pairs.is_empty() {
+            // Completes without the device, behind the jobs before it.
+            self.last_due
+        } else {
+            self.nonempty_submitted += 1;
+            (self.clock.now() + self.latency).max(self.last_due)
+        };
+        self.last_due = due;
+        self.due.insert(job.id, due);
+        self.engine.submit(job).unwrap();
+    }
+
+    /// Moves the clock to `tick` and applies every completion due by then. The device
+    /// dates a copy when the copy thread hands it over, so the clock moves only once every
+    /// submitted job got there.
+    fn advance_to(&mut self, tick: u64) {
+        while self.accepted.load(Ordering::Acquire) < self.nonempty_submitted {
+            std::thread::yield_now();
+        }
+        self.clock.advance_to(tick);
+        let ready: Vec<u64> = self
+            .due
+            .iter()
+            .filter(|(_, due)| **due <= tick)
+            .map(|(id, _)| *id)
+            .collect();
+        let done = self.engine.wait_for(&ready, WAIT).unwrap();
+        assert_eq!(
+            done.len(),
+            ready.len(),
+            "jobs due by tick {tick} did not complete"
+        );
+        for c in &done {
+            self.due.remove(&c.id);
+        }
+        self.apply(done);
     }
 
     fn arrive(&mut self) {
@@ -189,7 +211,6 @@ impl Harness {
         }
         let id = format!("r{}", self.next_req);
         self.next_req += 1;
-        self.planner.extend_hashes(&id, hashes.iter().copied());
         self.reqs.insert(
             id,
             Req {
@@ -206,7 +227,10 @@ impl Harness {
     /// vLLM's scheduler: admit a waiting request (lookup, allocate, accept some of the hit).
     fn admit(&mut self, id: &str) {
         let n = self.reqs[id].hashes.len();
-        let hit = self.planner.lookup(id, n * BS + 1, 0).unwrap();
+        let hit = self
+            .planner
+            .lookup(id, &self.reqs[id].hashes, n * BS + 1, 0)
+            .unwrap();
         assert_eq!(hit % BS, 0);
         assert!(hit < n * BS + 1);
         if self.gpu_free.len() < n + 1 {
@@ -239,11 +263,11 @@ impl Harness {
             .filter(|(_, reqs)| reqs.iter().any(|r| r == id))
             .map(|(t, _)| *t)
             .collect();
-        let done = self
-            .engine
-            .wait_for(&fence, Duration::from_secs(30))
-            .unwrap();
-        self.apply(done);
+        // The fence waits as long as those stores take.
+        let until = fence.iter().filter_map(|t| self.due.get(t)).max().copied();
+        if let Some(until) = until {
+            self.advance_to(until);
+        }
         let r = self.reqs.get_mut(id).unwrap();
         let gpu = std::mem::take(&mut r.gpu);
         r.state = State::Waiting;
@@ -255,7 +279,7 @@ impl Harness {
         let r = &self.reqs[id];
         let delay = self
             .planner
-            .request_finished(id, r.computed_blocks * BS)
+            .request_finished(id, &r.hashes, r.computed_blocks * BS)
             .unwrap();
         if delay {
             self.reqs.get_mut(id).unwrap().state = State::Draining;
@@ -275,7 +299,8 @@ impl Harness {
         for id in self.ids_in(State::Loading) {
             if self.rng.chance(3) {
                 // Aborted while loading: vLLM frees its blocks on `finished_recving`.
-                let delay = self.planner.request_finished(&id, 0).unwrap();
+                let hashes = &self.reqs[&id].hashes;
+                let delay = self.planner.request_finished(&id, hashes, 0).unwrap();
                 assert!(!delay);
                 self.reqs.get_mut(&id).unwrap().state = State::AbortedLoading;
             }
@@ -294,22 +319,36 @@ impl Harness {
             }
         }
         let mut forward = Vec::new();
+        let mut rows = Vec::new();
         for id in self.ids_in(State::Running) {
             let r = self.reqs.get_mut(&id).unwrap();
-            let replace = !r.scheduled_before;
-            let gpu = if replace { r.gpu.clone() } else { Vec::new() };
+            let (kind, gpu) = if r.scheduled_before {
+                (ScheduleKind::Running, Vec::new())
+            } else {
+                (ScheduleKind::New, r.gpu.clone())
+            };
             let before = r.computed_blocks;
-            self.planner
-                .note_scheduled(&id, before * BS, &gpu, replace)
-                .unwrap();
             r.scheduled_before = true;
             let end = (before + 1 + self.rng.below(3) as usize).min(r.hashes.len());
+            rows.push((id.clone(), kind, before * BS, gpu));
             forward.push((id, before, end));
         }
+        let reqs = &self.reqs;
+        let scheduled = rows
+            .iter()
+            .map(|(id, kind, computed, gpu)| ScheduledRequest {
+                req_id: id.as_str(),
+                kind: *kind,
+                num_computed_tokens: *computed,
+                gpu_blocks: gpu.clone(),
+                hashes: reqs[id].hashes.as_slice(),
+            });
+        let plan = self.planner.schedule(scheduled, []).unwrap();
+        // A reset while the step's stores are in flight.
         if self.rng.chance(2) {
             self.planner.reset();
         }
-        self.submit();
+        self.submit(plan);
         for (id, before, end) in forward {
             let r = self.reqs.get_mut(&id).unwrap();
             for b in before..end {
@@ -323,9 +362,7 @@ impl Harness {
                 self.finish(&id);
             }
         }
-        let mut done = Vec::new();
-        self.engine.poll_completions(&mut done);
-        self.apply(done);
+        self.advance_to(self.clock.now() + 1);
         self.check();
     }
 
@@ -337,8 +374,7 @@ impl Harness {
             .collect()
     }
 
-    fn submit(&mut self) {
-        let plan = self.planner.take_step();
+    fn submit(&mut self, plan: StepPlan) {
         for load in plan.loads {
             let r = self.reqs.get_mut(&load.req_id).unwrap();
             assert_eq!(r.state, State::Loading);
@@ -349,14 +385,11 @@ impl Harness {
                 self.after_completion();
                 continue;
             }
-            self.engine
-                .submit(TransferJob {
-                    id: load.id,
-                    direction: Direction::Load,
-                    pairs: load.gpu_blocks.into_iter().zip(load.cpu_blocks).collect(),
-                    wait_event: None,
-                })
-                .unwrap();
+            self.send(TransferJob::new(
+                load.id,
+                Direction::Load,
+                load.gpu_blocks.into_iter().zip(load.cpu_blocks).collect(),
+            ));
         }
         if let Some(store) = plan.store {
             let mut targets = BTreeSet::new();
@@ -365,14 +398,11 @@ impl Harness {
                 assert!(targets.insert(*c), "CPU block {c} stored twice in one job");
             }
             self.stores.insert(store.id, store.req_ids.clone());
-            self.engine
-                .submit(TransferJob {
-                    id: store.id,
-                    direction: Direction::Store,
-                    pairs: store.gpu_blocks.into_iter().zip(store.cpu_blocks).collect(),
-                    wait_event: None,
-                })
-                .unwrap();
+            self.send(TransferJob::new(
+                store.id,
+                Direction::Store,
+                store.gpu_blocks.into_iter().zip(store.cpu_blocks).collect(),
+            ));
         }
     }
 
@@ -469,14 +499,15 @@ impl Harness {
                     self.finish(&id);
                 }
             }
-            self.submit();
-            let mut done = Vec::new();
-            self.engine.poll_completions(&mut done);
-            self.apply(done);
+            let plan = self
+                .planner
+                .schedule(Vec::<ScheduledRequest<'_, &[BlockHash]>>::new(), [])
+                .unwrap();
+            self.submit(plan);
+            self.advance_to(self.clock.now() + 1);
             if self.reqs.is_empty() && !self.planner.has_work_in_flight() {
                 break;
             }
-            std::thread::sleep(Duration::from_micros(200));
         }
         assert!(
             self.reqs.is_empty(),
@@ -495,8 +526,8 @@ impl Harness {
     }
 }
 
-fn run(seed: u64, steps: usize, plan: FaultPlan) -> (u64, u64) {
-    let mut h = Harness::new(seed, plan);
+fn run(seed: u64, steps: usize, plan: FaultPlan, latency: u64) -> (u64, u64) {
+    let mut h = Harness::new(seed, plan, latency);
     for _ in 0..steps {
         h.step();
     }
@@ -508,7 +539,7 @@ fn run(seed: u64, steps: usize, plan: FaultPlan) -> (u64, u64) {
 fn stress_without_faults_loads_exact_bytes() {
     let mut verified = 0;
     for seed in 0..40 {
-        verified += run(seed, 600, FaultPlan::default()).0;
+        verified += run(seed, 600, FaultPlan::default(), 1).0;
     }
     eprintln!("verified {verified} loaded blocks");
     assert!(
@@ -522,12 +553,11 @@ fn stress_with_failed_and_delayed_copies_never_hangs_or_serves_wrong_bytes() {
     let plan = FaultPlan {
         fail_loads_every: 3,
         fail_stores_every: 4,
-        delay: Duration::from_millis(1),
         ..FaultPlan::default()
     };
     let (mut verified, mut failed) = (0, 0);
     for seed in 100..130 {
-        let (v, f) = run(seed, 500, plan);
+        let (v, f) = run(seed, 500, plan, 3);
         verified += v;
         failed += f;
     }

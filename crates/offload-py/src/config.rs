@@ -33,13 +33,10 @@ impl PyOffloadConfig {
         self.inner.world_size
     }
 
-    /// The fault-injection spec for the transfer engine, or `None` when inactive.
+    /// The fault-injection spec for the transfer engine (unparsed), or `None`.
     #[getter]
     fn faults(&self) -> Option<String> {
-        self.inner
-            .faults
-            .is_active()
-            .then(|| self.inner.faults.to_string())
+        self.inner.faults.clone()
     }
 
     /// Whether loads are synchronous, given where vLLM keeps the KV cache.

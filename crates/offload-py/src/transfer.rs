@@ -3,42 +3,59 @@
 use std::time::Duration;
 
 use offload_core::transfer::{
-    BackendKind, Completion, CudaOptions, Direction, FaultPlan, RegionSpec, TransferConfig,
-    TransferEngine, TransferError, TransferJob,
+    BackendKind, BlockAccessError, BuildError, Completion, CudaOptions, Direction, FaultPlan,
+    ReadyError, RegionSpec, SubmitError, TransferConfig, TransferEngine, TransferJob,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::{
-    CONFIG_ERROR, DEVICE_ERROR, ENGINE_SHUTDOWN_ERROR, HOST_MEMORY_ERROR, INVALID_INPUT_ERROR,
+    config_err, DEVICE_ERROR, ENGINE_SHUTDOWN_ERROR, HOST_MEMORY_ERROR, INVALID_INPUT_ERROR,
     QUEUE_FULL_ERROR, TRANSFER_ERROR,
 };
 
 /// `(transfer_id, ok, error message or None)`.
 type CompletionTuple = (u64, bool, Option<String>);
 
-/// Maps each transfer error kind to its class.
-pub(crate) fn transfer_err(e: TransferError) -> PyErr {
+/// Maps an engine construction error to its class.
+fn build_err(e: BuildError) -> PyErr {
     let msg = e.to_string();
     match e {
-        TransferError::InvalidBlock { .. }
-        | TransferError::DuplicateDestination { .. }
-        | TransferError::DuplicateJobId { .. }
-        | TransferError::InvalidRegion { .. }
-        | TransferError::NoSuchRegion { .. }
-        | TransferError::InvalidConfig { .. } => INVALID_INPUT_ERROR.err(msg),
-        TransferError::QueueFull { .. } => QUEUE_FULL_ERROR.err(msg),
-        TransferError::Shutdown { .. } | TransferError::ShutdownTimeout { .. } => {
-            ENGINE_SHUTDOWN_ERROR.err(msg)
+        BuildError::InvalidConfig { .. } => INVALID_INPUT_ERROR.err(msg),
+        BuildError::Memory(_) => HOST_MEMORY_ERROR.err(msg),
+        BuildError::Cuda(_) => DEVICE_ERROR.err(msg),
+        _ => TRANSFER_ERROR.err(msg),
+    }
+}
+
+/// Maps a refused submit to its class.
+fn submit_err(e: SubmitError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        SubmitError::DuplicateJobId { .. } => INVALID_INPUT_ERROR.err(msg),
+        SubmitError::QueueFull { .. } => QUEUE_FULL_ERROR.err(msg),
+        SubmitError::Shutdown { .. } => ENGINE_SHUTDOWN_ERROR.err(msg),
+        _ => DEVICE_ERROR.err(msg),
+    }
+}
+
+/// Maps a refused host-block access to its class.
+fn block_err(e: BlockAccessError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        BlockAccessError::NoSuchRegion { .. } | BlockAccessError::InvalidBlock { .. } => {
+            INVALID_INPUT_ERROR.err(msg)
         }
-        TransferError::Backend { .. } | TransferError::Fatal { .. } | TransferError::Cuda(_) => {
-            DEVICE_ERROR.err(msg)
-        }
-        TransferError::Memory(_) => HOST_MEMORY_ERROR.err(msg),
-        TransferError::ThreadSpawn { .. }
-        | TransferError::Timeout { .. }
-        | TransferError::Busy { .. }
-        | TransferError::NotReady { .. } => TRANSFER_ERROR.err(msg),
+        _ => TRANSFER_ERROR.err(msg),
+    }
+}
+
+/// Maps a `wait_ready` failure to its class.
+fn ready_err(e: ReadyError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        ReadyError::NotReady { .. } => TRANSFER_ERROR.err(msg),
+        _ => DEVICE_ERROR.err(msg),
     }
 }
 
@@ -47,6 +64,122 @@ pub(crate) fn transfer_err(e: TransferError) -> PyErr {
 #[derive(Debug)]
 pub(crate) struct PyTransferEngine {
     inner: TransferEngine,
+    /// The tensors the regions lie in, referenced while the copy thread may touch them.
+    held: Vec<Py<PyAny>>,
+}
+
+impl Drop for PyTransferEngine {
+    fn drop(&mut self) {
+        // A shutdown that times out leaves the copy thread running; the worker adapter logs
+        // its own shutdown failures, so the error itself has nobody left to tell here.
+        let _ = self.inner.shutdown(DROP_SHUTDOWN_TIMEOUT);
+        if !self.inner.copy_thread_exited() {
+            // The copy thread may still write into these tensors: never free them.
+            std::mem::forget(std::mem::take(&mut self.held));
+        }
+    }
+}
+
+/// How long dropping an engine waits for its copy thread.
+const DROP_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where a tensor's memory is: its storage's bytes and its device.
+#[derive(Debug)]
+struct Allocation {
+    start: u64,
+    len: usize,
+    device_type: String,
+    device_index: Option<i32>,
+}
+
+/// Reads a torch tensor's storage extent and device.
+fn allocation(tensor: &Bound<'_, PyAny>) -> PyResult<Allocation> {
+    let not_a_tensor =
+        |e: PyErr| INVALID_INPUT_ERROR.err(format!("tensors: expected torch tensors ({e})"));
+    let storage = tensor
+        .call_method0("untyped_storage")
+        .map_err(not_a_tensor)?;
+    let device = tensor.getattr("device").map_err(not_a_tensor)?;
+    Ok(Allocation {
+        start: storage.call_method0("data_ptr")?.extract()?,
+        len: storage.call_method0("nbytes")?.extract()?,
+        device_type: device.getattr("type")?.extract()?,
+        device_index: device.getattr("index")?.extract()?,
+    })
+}
+
+fn backend_kind(backend: &str, device: i32, cuda_batch: bool) -> PyResult<BackendKind> {
+    match backend {
+        "host" => Ok(BackendKind::Host),
+        "cuda" => Ok(BackendKind::Cuda(CudaOptions {
+            device,
+            allow_batch: cuda_batch,
+            ..CudaOptions::default()
+        })),
+        other => Err(INVALID_INPUT_ERROR.err(format!(
+            "backend must be \"host\" or \"cuda\", got {other:?}"
+        ))),
+    }
+}
+
+/// A region that lies inside one of `allocations`, on the backend's device.
+fn checked_region(
+    (base, n, bytes, stride): (u64, u32, usize, usize),
+    allocations: &[Allocation],
+    kind: &BackendKind,
+) -> PyResult<RegionSpec> {
+    let on_device = |a: &Allocation| match kind {
+        BackendKind::Cuda(options) => {
+            a.device_type == "cuda" && a.device_index.unwrap_or(0) == options.device
+        }
+        _ => a.device_type == "cpu",
+    };
+    // SAFETY: the spec is used only for the bounds check below until one of `allocations`
+    // is shown to contain it.
+    let spec = unsafe { RegionSpec::new(base, n, bytes, stride) }
+        .map_err(|e| INVALID_INPUT_ERROR.err(e.to_string()))?;
+    let Some(home) = allocations
+        .iter()
+        .find(|a| spec.lies_within(a.start, a.len))
+    else {
+        return Err(INVALID_INPUT_ERROR.err(format!(
+            "region at {base:#x} ({n} blocks of {bytes} bytes, stride {stride}) lies in none of \
+             the given tensors' storage"
+        )));
+    };
+    if !on_device(home) {
+        return Err(INVALID_INPUT_ERROR.err(format!(
+            "region at {base:#x} lies in a tensor on {}{}, which the {kind:?} backend cannot copy",
+            home.device_type,
+            home.device_index
+                .map(|i| format!(":{i}"))
+                .unwrap_or_default()
+        )));
+    }
+    Ok(spec)
+}
+
+/// Builds the engine (without the GIL: the CUDA driver loads here).
+fn open(
+    py: Python<'_>,
+    specs: Vec<RegionSpec>,
+    num_cpu_blocks: u32,
+    hugepages: bool,
+    kind: BackendKind,
+    faults: Option<&str>,
+) -> PyResult<TransferEngine> {
+    let faults = faults
+        .map(FaultPlan::from_config_value)
+        .transpose()
+        .map_err(config_err)?
+        .unwrap_or_default();
+    let mut config = TransferConfig {
+        faults,
+        ..TransferConfig::default()
+    };
+    config.memory.hugepages = hugepages;
+    py.detach(|| TransferEngine::open(specs, num_cpu_blocks, config, kind))
+        .map_err(build_err)
 }
 
 fn ids_from_bytes(b: &[u8], what: &str) -> PyResult<Vec<u32>> {
@@ -75,11 +208,15 @@ fn duration(seconds: f64, what: &str) -> PyResult<Duration> {
 
 #[pymethods]
 impl PyTransferEngine {
-    /// `regions`: `(address, num_blocks, block_bytes, block_stride)` of each KV span.
+    /// An engine over KV tensors the caller registered.
     ///
-    /// The addresses must be live KV tensors that outlive the engine (the connector
-    /// passes `tensor.data_ptr()` of the tensors vLLM registered); like ctypes, a wrong
-    /// address here is memory corruption, which is why only the connector builds engines.
+    /// `regions`: `(address, num_blocks, block_bytes, block_stride)` of each KV span, and
+    /// `tensors`: the tensors they lie in. Every region is checked to lie inside the storage
+    /// (`untyped_storage()`) of one of `tensors`, on the device the backend copies on (CPU
+    /// for `"host"`, `cuda:<device>` for `"cuda"`), and the engine keeps a reference to
+    /// every tensor for as long as its copy thread may touch them (for ever, if the copy
+    /// thread does not stop). Resizing a registered tensor's storage while the engine lives
+    /// is not checked; vLLM never does.
     ///
     /// `backend`: `"host"` (memcpy; CPU tensors) or `"cuda"` (the CUDA driver, loaded at
     /// run time; `device` is the tensors' CUDA ordinal, `cuda_batch=False` forces the
@@ -90,11 +227,49 @@ impl PyTransferEngine {
     /// see `offload_core::transfer::FaultPlan`); `None` injects nothing.
     #[new]
     #[pyo3(signature = (
-        regions, num_cpu_blocks, hugepages = false, backend = "host", device = 0,
+        regions, num_cpu_blocks, tensors, hugepages = false, backend = "host", device = 0,
         cuda_batch = true, faults = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
+        regions: Vec<(u64, u32, usize, usize)>,
+        num_cpu_blocks: u32,
+        tensors: Vec<Bound<'_, PyAny>>,
+        hugepages: bool,
+        backend: &str,
+        device: i32,
+        cuda_batch: bool,
+        faults: Option<&str>,
+    ) -> PyResult<Self> {
+        let kind = backend_kind(backend, device, cuda_batch)?;
+        let allocations = tensors
+            .iter()
+            .map(allocation)
+            .collect::<PyResult<Vec<_>>>()?;
+        let specs = regions
+            .into_iter()
+            .map(|region| checked_region(region, &allocations, &kind))
+            .collect::<PyResult<Vec<_>>>()?;
+        let inner = open(py, specs, num_cpu_blocks, hugepages, kind, faults)?;
+        Ok(Self {
+            inner,
+            held: tensors.into_iter().map(Bound::unbind).collect(),
+        })
+    }
+
+    /// UNCHECKED: an engine over raw addresses, for tests and tools that own their memory.
+    ///
+    /// Nothing verifies that an address is live, large enough, on the right device or kept
+    /// alive: a wrong one is memory corruption, as with ctypes. Use the constructor, which
+    /// checks regions against registered tensors, everywhere else.
+    #[staticmethod]
+    #[pyo3(signature = (
+        regions, num_cpu_blocks, hugepages = false, backend = "host", device = 0,
+        cuda_batch = true, faults = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn _unchecked(
         py: Python<'_>,
         regions: Vec<(u64, u32, usize, usize)>,
         num_cpu_blocks: u32,
@@ -104,49 +279,28 @@ impl PyTransferEngine {
         cuda_batch: bool,
         faults: Option<&str>,
     ) -> PyResult<Self> {
-        let faults = faults
-            .map(FaultPlan::parse)
-            .transpose()
-            .map_err(|e| CONFIG_ERROR.err(format!("kvoffload.faults: {e}")))?
-            .unwrap_or_default();
-        let kind = match backend {
-            "host" => BackendKind::Host,
-            "cuda" => BackendKind::Cuda(CudaOptions {
-                device,
-                allow_batch: cuda_batch,
-                ..CudaOptions::default()
-            }),
-            other => {
-                return Err(INVALID_INPUT_ERROR.err(format!(
-                    "backend must be \"host\" or \"cuda\", got {other:?}"
-                )))
-            }
-        };
+        let kind = backend_kind(backend, device, cuda_batch)?;
         let specs = regions
             .into_iter()
             .map(|(base, n, bytes, stride)| {
-                // SAFETY: the caller (kvoffload's worker) passes the data pointers of the
-                // KV tensors vLLM registered, which stay allocated and in place for the
-                // engine's life; vLLM pins blocks while their transfers are in flight.
+                // SAFETY: none taken here: this constructor is documented as unchecked, and
+                // its caller vouches for every address as `RegionSpec::new` requires.
                 unsafe { RegionSpec::new(base, n, bytes, stride) }
+                    .map_err(|e| INVALID_INPUT_ERROR.err(e.to_string()))
             })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(transfer_err)?;
-        let mut config = TransferConfig {
-            faults,
-            ..TransferConfig::default()
-        };
-        config.memory.hugepages = hugepages;
-        let inner = py
-            .detach(|| TransferEngine::open(specs, num_cpu_blocks, config, kind))
-            .map_err(transfer_err)?;
-        Ok(Self { inner })
+            .collect::<PyResult<Vec<_>>>()?;
+        let inner = open(py, specs, num_cpu_blocks, hugepages, kind, faults)?;
+        Ok(Self {
+            inner,
+            held: Vec::new(),
+        })
     }
 
     /// Queues one copy without blocking; block lists are little-endian u32 bytes.
     ///
-    /// `wait_event`: a raw CUDA event handle (`torch.cuda.Event().cuda_event`) the copies
-    /// must wait for; keep the event object alive until this transfer's completion.
+    /// `wait_event`: UNCHECKED raw CUDA event handle (`torch.cuda.Event().cuda_event`) the
+    /// copies must wait for; keep the event object alive until this transfer's completion.
+    /// The driver rejects some bad handles, but a dangling one is undefined behaviour.
     #[pyo3(signature = (transfer_id, store, gpu_blocks, cpu_blocks, wait_event = None))]
     fn submit(
         &self,
@@ -176,7 +330,7 @@ impl PyTransferEngine {
             pairs: gpu.into_iter().zip(cpu).collect(),
             wait_event,
         };
-        py.detach(|| self.inner.submit(job)).map_err(transfer_err)
+        py.detach(|| self.inner.submit(job)).map_err(submit_err)
     }
 
     /// Completions received so far, without blocking.
@@ -197,7 +351,7 @@ impl PyTransferEngine {
         let timeout = duration(timeout_s, "timeout_s")?;
         let done = py
             .detach(|| self.inner.wait_for(&transfer_ids, timeout))
-            .map_err(transfer_err)?;
+            .map_err(|e| TRANSFER_ERROR.err(e.to_string()))?;
         Ok(done.into_iter().map(completion_tuple).collect())
     }
 
@@ -206,7 +360,8 @@ impl PyTransferEngine {
     fn shutdown(&mut self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
         let timeout = duration(timeout_s, "timeout_s")?;
         let inner = &mut self.inner;
-        py.detach(|| inner.shutdown(timeout)).map_err(transfer_err)
+        py.detach(|| inner.shutdown(timeout))
+            .map_err(|e| ENGINE_SHUTDOWN_ERROR.err(e.to_string()))
     }
 
     /// Bytes of one CPU block of `region` (tests, debugging); only while nothing is in flight.
@@ -219,7 +374,7 @@ impl PyTransferEngine {
         let bytes = self
             .inner
             .cpu_block_slice(region, cpu_block)
-            .map_err(transfer_err)?;
+            .map_err(block_err)?;
         Ok(PyBytes::new(py, bytes))
     }
 
@@ -229,7 +384,7 @@ impl PyTransferEngine {
         let block = self
             .inner
             .cpu_block_slice_mut(region, cpu_block)
-            .map_err(transfer_err)?;
+            .map_err(block_err)?;
         if data.len() != block.len() {
             return Err(INVALID_INPUT_ERROR.err(format!(
                 "write_cpu_block: {} bytes given for a {}-byte block",
@@ -279,7 +434,14 @@ impl PyTransferEngine {
     fn wait_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
         let timeout = duration(timeout_s, "timeout_s")?;
         py.detach(|| self.inner.wait_ready(timeout))
-            .map_err(transfer_err)
+            .map_err(ready_err)
+    }
+
+    /// Why the engine stopped for good (a fatal device error, a failed pinning, a wait that
+    /// timed out), or `None` while it works. Once stopped, every transfer fails.
+    #[getter]
+    fn stopped(&self) -> Option<String> {
+        self.inner.stopped().map(str::to_owned)
     }
 
     /// Counters since construction, by name.

@@ -9,6 +9,8 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use super::{BackendError, CopyBackend, CopyRun, Direction, Ticket};
+use crate::config::KEY_FAULTS;
+use crate::error::ConfigError;
 
 /// Which copies fail and how long completions are held back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -19,7 +21,8 @@ pub struct FaultPlan {
     pub fail_stores_every: u32,
     /// The n-th job fails with a fatal (sticky) device error (0: never).
     pub fatal_after: u32,
-    /// Every job completes no sooner than this after its submission.
+    /// Every job takes this long: its bytes land, and it completes, no sooner than this
+    /// after its submission (a slow device, not merely a late report).
     pub delay: Duration,
 }
 
@@ -71,6 +74,26 @@ impl FaultPlan {
         Ok(plan)
     }
 
+    /// Parses the value of the config key [`KEY_FAULTS`] (kept raw by
+    /// [`OffloadConfig::faults`](crate::OffloadConfig::faults)); the error names the key and
+    /// the value.
+    ///
+    /// ```
+    /// use offload_core::transfer::FaultPlan;
+    ///
+    /// assert_eq!(FaultPlan::from_config_value("fatal_after=4")?.fatal_after, 4);
+    /// let err = FaultPlan::from_config_value("explode=1").unwrap_err().to_string();
+    /// assert!(err.contains("kvoffload.faults") && err.contains("explode=1"), "{err}");
+    /// # Ok::<(), offload_core::ConfigError>(())
+    /// ```
+    pub fn from_config_value(spec: &str) -> Result<Self, ConfigError> {
+        Self::parse(spec).map_err(|e| ConfigError::InvalidValue {
+            key: KEY_FAULTS.to_string(),
+            value: format!("{spec:?} ({e})"),
+            reason: "expected comma-separated key=value items (see FaultPlan::parse)",
+        })
+    }
+
     /// Whether the plan injects anything.
     pub fn is_active(&self) -> bool {
         *self != Self::default()
@@ -90,6 +113,17 @@ impl fmt::Display for FaultPlan {
     }
 }
 
+/// A job of a delayed plan: held back until its delay passed, then on the inner backend.
+#[derive(Debug)]
+enum Delayed {
+    Waiting {
+        since: Instant,
+        direction: Direction,
+        runs: Vec<CopyRun>,
+    },
+    Started(Ticket),
+}
+
 /// Wraps a backend and injects the faults of a [`FaultPlan`].
 #[derive(Debug)]
 pub struct FaultInjector<B> {
@@ -98,7 +132,8 @@ pub struct FaultInjector<B> {
     loads: u32,
     stores: u32,
     jobs: u32,
-    submitted_at: HashMap<u64, Instant>,
+    next_ticket: u64,
+    delayed: HashMap<u64, Delayed>,
 }
 
 impl<B: CopyBackend> FaultInjector<B> {
@@ -110,7 +145,8 @@ impl<B: CopyBackend> FaultInjector<B> {
             loads: 0,
             stores: 0,
             jobs: 0,
-            submitted_at: HashMap::new(),
+            next_ticket: 0,
+            delayed: HashMap::new(),
         }
     }
 }
@@ -167,22 +203,58 @@ impl<B: CopyBackend> CopyBackend for FaultInjector<B> {
                 "injected fault: {direction} #{count}"
             )));
         }
-        // SAFETY: the caller's contract is forwarded unchanged.
-        let ticket = unsafe { self.inner.submit(direction, runs) }?;
-        if !self.plan.delay.is_zero() {
-            self.submitted_at.insert(ticket.0, Instant::now());
+        if self.plan.delay.is_zero() {
+            // SAFETY: the caller's contract is forwarded unchanged.
+            return unsafe { self.inner.submit(direction, runs) };
         }
-        Ok(ticket)
+        // The copy itself is held back, so a test that gives up on a slow job sees its bytes
+        // land late, as they would from a slow device.
+        self.next_ticket += 1;
+        self.delayed.insert(
+            self.next_ticket,
+            Delayed::Waiting {
+                since: Instant::now(),
+                direction,
+                runs: runs.to_vec(),
+            },
+        );
+        Ok(Ticket(self.next_ticket))
     }
 
     fn query(&mut self, ticket: Ticket) -> Result<bool, BackendError> {
-        if let Some(at) = self.submitted_at.get(&ticket.0) {
-            if at.elapsed() < self.plan.delay {
-                return Ok(false);
-            }
-            self.submitted_at.remove(&ticket.0);
+        if self.plan.delay.is_zero() {
+            return self.inner.query(ticket);
         }
-        self.inner.query(ticket)
+        let inner = match self.delayed.get(&ticket.0) {
+            None => return Err(BackendError::job(format!("unknown ticket {}", ticket.0))),
+            Some(Delayed::Waiting { since, .. }) if since.elapsed() < self.plan.delay => {
+                return Ok(false)
+            }
+            Some(Delayed::Started(inner)) => *inner,
+            Some(Delayed::Waiting {
+                direction, runs, ..
+            }) => {
+                // SAFETY: `submit`'s caller keeps every run valid, and its destination
+                // untouched, until this ticket is reported done or failed, which has not
+                // happened yet.
+                let started = unsafe { self.inner.submit(*direction, runs) };
+                match started {
+                    Ok(inner) => {
+                        self.delayed.insert(ticket.0, Delayed::Started(inner));
+                        inner
+                    }
+                    Err(err) => {
+                        self.delayed.remove(&ticket.0);
+                        return Err(err);
+                    }
+                }
+            }
+        };
+        let done = self.inner.query(inner);
+        if !matches!(done, Ok(false)) {
+            self.delayed.remove(&ticket.0);
+        }
+        done
     }
 }
 
@@ -238,5 +310,35 @@ mod tests {
         // SAFETY: as above.
         let e = unsafe { b.submit(Direction::Store, &[]) }.unwrap_err();
         assert!(e.is_fatal());
+    }
+
+    #[test]
+    fn a_delayed_copy_lands_only_when_it_completes() {
+        let plan = FaultPlan {
+            delay: Duration::from_millis(50),
+            ..FaultPlan::default()
+        };
+        let mut b = FaultInjector::new(HostCopyBackend::new(), plan);
+        let src = [9u8; 16];
+        let mut dst = vec![0u8; 16];
+        let run = CopyRun {
+            src: src.as_ptr() as u64,
+            dst: dst.as_mut_ptr() as u64,
+            len: 16,
+        };
+        // SAFETY: both buffers are live and distinct; `dst` is read below only through
+        // `read_volatile` while the ticket is outstanding, and not written.
+        let ticket = unsafe { b.submit(Direction::Load, &[run]) }.unwrap();
+        loop {
+            let done = b.query(ticket).unwrap();
+            // SAFETY: in bounds of the live `dst`.
+            let first = unsafe { std::ptr::read_volatile(dst.as_ptr()) };
+            if done {
+                break;
+            }
+            assert_eq!(first, 0, "the bytes landed before the copy completed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(dst, [9u8; 16]);
     }
 }

@@ -1,6 +1,7 @@
 //! Device-side regions and the coalescer that turns block-id pairs into byte ranges.
 
-use super::{Direction, TransferError};
+use super::error::RegionError;
+use super::types::Direction;
 
 /// One KV tensor (or one K/V half) on the device side: `num_blocks` blocks of `block_bytes`
 /// each, `block_stride` bytes apart, block 0 at address `base`.
@@ -39,8 +40,8 @@ impl RegionSpec {
         num_blocks: u32,
         block_bytes: usize,
         block_stride: usize,
-    ) -> Result<Self, TransferError> {
-        let bad = |reason: String| Err(TransferError::InvalidRegion { reason });
+    ) -> Result<Self, RegionError> {
+        let bad = |reason: String| Err(RegionError { reason });
         if base == 0 {
             return bad("base address is null".into());
         }
@@ -91,6 +92,29 @@ impl RegionSpec {
     /// Bytes between the starts of consecutive blocks.
     pub fn block_stride(&self) -> usize {
         self.block_stride
+    }
+
+    /// Whether every block of the region lies inside the `len` bytes starting at `start`
+    /// (e.g. the storage of the tensor the region was derived from). A binding that cannot
+    /// trust its caller's addresses checks this against an allocation it can vouch for.
+    ///
+    /// ```
+    /// use offload_core::transfer::RegionSpec;
+    ///
+    /// // SAFETY: construction only; the spec is never handed to an engine.
+    /// let spec = unsafe { RegionSpec::new(0x1000, 4, 64, 128) }.unwrap();
+    /// assert!(spec.lies_within(0x1000, 3 * 128 + 64));
+    /// assert!(!spec.lies_within(0x1000, 3 * 128 + 63));
+    /// assert!(!spec.lies_within(0x1001, 4096));
+    /// ```
+    pub fn lies_within(&self, start: u64, len: usize) -> bool {
+        // `new` checked that the extent does not overflow.
+        let extent =
+            u64::from(self.num_blocks - 1) * self.block_stride as u64 + self.block_bytes as u64;
+        self.base >= start
+            && (self.base - start)
+                .checked_add(extent)
+                .is_some_and(|end| end <= len as u64)
     }
 
     /// Whether consecutive device blocks are adjacent, so runs of them can be one copy.

@@ -1,5 +1,7 @@
-//! Fixtures shared by the integration tests. Each test crate uses only some of them, so
-//! the unused rest must not warn there.
+//! Fixtures shared by the integration tests, one file per area. Each test binary uses a
+//! part of them, so the unused rest must not warn there.
 #![allow(dead_code, unreachable_pub)]
 
 pub mod planner;
+pub mod rng;
+pub mod transfer;

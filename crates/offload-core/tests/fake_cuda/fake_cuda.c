@@ -106,6 +106,7 @@ static long g_copy_calls = 0;
 static long g_fail_copy_at = -1;
 static int g_fail_copy_code = CUDA_ERROR_INVALID_VALUE;
 static int g_fail_query_code = 0;
+static int g_fail_record_code = 0;
 static int g_query_delay = 0;
 static int g_register_delay_ms = 0;
 static int g_ctx_refs = 0;
@@ -310,7 +311,7 @@ EXPORT CUresult cuStreamCreateWithPriority(void **phStream, unsigned int flags, 
     g_last_stream_flags = (int)flags;
     g_last_stream_priority = priority;
     *phStream = s;
-    log_op("stream", 0);
+    log_op("stream:%ld", priority);
     LEAVE(CUDA_SUCCESS);
 }
 
@@ -372,6 +373,11 @@ EXPORT CUresult cuEventRecord(void *hEvent, void *hStream) {
     Stream *s = hStream;
     Event *e = hEvent;
     if (!valid_stream(s) || !valid_event(e)) LEAVE(CUDA_ERROR_INVALID_HANDLE);
+    if (g_fail_record_code) {
+        int code = g_fail_record_code;
+        g_fail_record_code = 0;
+        LEAVE(code);
+    }
     log_op("record", 0);
     e->recorded++;
     e->delay_left = g_query_delay;
@@ -553,6 +559,8 @@ EXPORT void fake_set_query_delay(int n) { pthread_mutex_lock(&mu); g_query_delay
 EXPORT void fake_set_register_delay_ms(int ms) { pthread_mutex_lock(&mu); g_register_delay_ms = ms; pthread_mutex_unlock(&mu); }
 EXPORT void fake_set_sticky(int code) { pthread_mutex_lock(&mu); g_sticky = code; pthread_mutex_unlock(&mu); }
 EXPORT void fake_fail_next_query(int code) { pthread_mutex_lock(&mu); g_fail_query_code = code; pthread_mutex_unlock(&mu); }
+/* Fails the next cuEventRecord with `code`, after the job's copies were enqueued. */
+EXPORT void fake_fail_next_record(int code) { pthread_mutex_lock(&mu); g_fail_record_code = code; pthread_mutex_unlock(&mu); }
 
 /* Fails the copy call number `index` (counting from 0 over cuMemcpyAsync and batch calls
  * made from now on) with `code`. */
