@@ -55,22 +55,22 @@ def model_config_dir(path: Path) -> Path:
 
 
 def kv_cache_config(num_blocks: int, groups: Sequence[tuple[Sequence[str], Any]]) -> Any:
-    """A ``KVCacheConfig`` of ``num_blocks`` blocks with one tensor per layer, laid out as
-    vLLM 0.32 describes it (``layers``/``layer_stride``/``block_stride``)."""
+    """A ``KVCacheConfig`` of ``num_blocks`` blocks, one tensor per group holding its layers
+    one after the other, described as vLLM 0.32 does (``layers``/``layer_stride``/
+    ``block_stride``)."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
     tensors = []
     for layers, spec in groups:
         page = spec.page_size_bytes
-        for layer in layers:
-            tensors.append(
-                KVCacheTensor(
-                    size=num_blocks * page,
-                    layers=[layer],
-                    layer_stride=num_blocks * page,
-                    block_stride=page,
-                )
+        tensors.append(
+            KVCacheTensor(
+                size=num_blocks * page * len(layers),
+                layers=list(layers),
+                layer_stride=num_blocks * page,
+                block_stride=page,
             )
+        )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=tensors,
@@ -118,7 +118,7 @@ def build_scheduler(
     max_loras: int = 0,
 ) -> Any:
     """A real vLLM ``Scheduler`` with a KV connector, sized as the engine core sizes it
-    (``resolve_kv_cache_block_sizes``: the scheduler's block is ``block_size × dcp``)."""
+    (``resolve_kv_cache_block_sizes``: the scheduler's block is ``block_size x dcp``)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -262,7 +262,7 @@ class SchedHarness:
     ``num_cpu_blocks`` sizes the CPU pool exactly (``cpu_bytes_to_use`` is that many
     blocks); ``load_mode`` defaults to ``async``, as on a GPU and as vLLM's Simple
     connector always loads. With ``dcp > 1`` the scheduler's block (what vLLM hashes) is
-    ``BLOCK_SIZE × dcp``, as in vLLM's engine core.
+    ``BLOCK_SIZE x dcp``, as in vLLM's engine core.
     """
 
     def __init__(
@@ -313,7 +313,10 @@ class SchedHarness:
         self.hash_fn = hash_fn
         self.hasher = get_request_block_hasher(self.scheduler.hash_block_size, hash_fn)
         self.gpu_pool = self.scheduler.kv_cache_manager.block_pool
+        #: KV events of the connector, and of vLLM's GPU block pool, as the scheduler
+        #: collected them.
         self.events: list[Any] = []
+        self.gpu_events: list[Any] = []
         self.steps: list[Step] = []
         #: Transfers issued and not reported yet: tid -> ok.
         self.in_flight: dict[int, bool] = {}
@@ -396,8 +399,9 @@ class SchedHarness:
 
     def step(self) -> Step:
         """One engine step: ``schedule()``, the fake forward and ``update_from_output()``."""
-        from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 
         self._current = Step(output=None, loads=[], store=None)
         so = self.scheduler.schedule()
@@ -497,7 +501,9 @@ class SchedHarness:
         """Nothing leaked: no request in vLLM or kvoffload, every GPU block free, no copy
         in flight or planned."""
         s = self.scheduler
-        assert not s.requests and not s.waiting and not s.running
+        assert not s.requests
+        assert not s.waiting
+        assert not s.running
         assert not s.finished_recving_kv_req_ids
         assert [b.block_id for b in self.gpu_pool.blocks if b.ref_cnt] == []
         assert self.planner.num_requests == 0
@@ -533,6 +539,15 @@ class SchedHarness:
             self.events.extend(events)
             return events
 
+        manager = self.scheduler.kv_cache_manager
+        take_gpu = manager.take_events
+
+        def spy_gpu_events() -> list[Any]:
+            events = take_gpu()
+            self.gpu_events.extend(events or [])
+            return events
+
+        manager.take_events = spy_gpu_events
         conn.get_num_new_matched_tokens = spy_lookup
         conn.update_state_after_alloc = spy_alloc
         conn.take_events = spy_events

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from sched_harness import BLOCK_SIZE, SchedHarness, Step, model_config_dir
 
 BS = BLOCK_SIZE
@@ -49,7 +50,8 @@ def test_eager_store_and_load_roundtrip(model: Path, load_mode: str) -> None:
     # waiting one step. Both modes are checked.
     h = SchedHarness(model, load_mode=load_mode)
     prompt, (store,) = store_prompt(h, 2)
-    assert len(store.gpu) == 2 and len(store.cpu) == 2
+    assert len(store.gpu) == 2
+    assert len(store.cpu) == 2
 
     h.evict_gpu_prefix_cache()
     req = h.add(prompt)
@@ -58,7 +60,8 @@ def test_eager_store_and_load_roundtrip(model: Path, load_mode: str) -> None:
     assert s.lookups[rid] == (2 * BS, load_mode == "async")
     assert s.accepted[rid] == 2 * BS
     (load,) = s.loads
-    assert load.req_id == rid and load.valid
+    assert load.req_id == rid
+    assert load.valid
     assert load.sync == (load_mode == "sync")
     assert load.gpu == h.gpu_blocks(rid)[:2]
     assert load.cpu == store.cpu
@@ -107,7 +110,7 @@ def test_lazy_store_and_load_roundtrip(model: Path) -> None:
 
 def test_eager_duplicate_store_skipped(model: Path) -> None:
     h = SchedHarness(model)
-    prompt, (store,) = store_prompt(h, 2)
+    prompt, (_,) = store_prompt(h, 2)
     free = h.planner.num_free_blocks
     # The same prompt again, computed on new GPU blocks (vLLM's prefix cache dropped):
     # the CPU copy is loaded, and nothing is stored a second time.
@@ -129,7 +132,8 @@ def test_eager_in_flight_store_dedup_across_steps(model: Path) -> None:
     first = h.add(prompt, max_tokens=3)
     h.step()  # prefill
     s = h.step()  # the two computed blocks are stored; the copy stays in flight
-    assert s.store is not None and s.store.gpu == h.gpu_blocks(first.request_id)[:2]
+    assert s.store is not None
+    assert s.store.gpu == h.gpu_blocks(first.request_id)[:2]
     free = h.planner.num_free_blocks
 
     # A second request with the same prefix hits vLLM's GPU prefix cache on the very
@@ -174,7 +178,8 @@ def test_lru_eviction_order(model: Path) -> None:
     h = SchedHarness(model, num_cpu_blocks=4)
     a, _ = store_prompt(h, 2)
     b, _ = store_prompt(h, 2)
-    assert h.stored_blocks(a) == [True, True] and h.stored_blocks(b) == [True, True]
+    assert h.stored_blocks(a) == [True, True]
+    assert h.stored_blocks(b) == [True, True]
     c, (store,) = store_prompt(h, 2)
     assert len(store.cpu) == 2
     assert h.stored_blocks(a) == [False, False]
@@ -235,7 +240,8 @@ def test_preemption_no_cpu_block_leak(model: Path) -> None:
     x, _ = store_prompt(h, 2)
     y, _ = store_prompt(h, 2)
     assert h.stored_blocks(prompt) == [False, False]
-    assert h.stored_blocks(x) == [True, True] and h.stored_blocks(y) == [True, True]
+    assert h.stored_blocks(x) == [True, True]
+    assert h.stored_blocks(y) == [True, True]
 
 
 def test_eager_store_preemption_cleanup(model: Path) -> None:
@@ -246,7 +252,8 @@ def test_eager_store_preemption_cleanup(model: Path) -> None:
     s = h.step()  # prefill; the request finishes and its blocks are flushed
     assert req.request_id in s.finished
     s = h.step()
-    assert s.store is not None and s.store.req_ids == [req.request_id]
+    assert s.store is not None
+    assert s.store.req_ids == [req.request_id]
     gpu = s.store.gpu
     # Finished while the store is in flight: both sides keep their state until it is done.
     assert h.planner.num_requests == 1
@@ -313,7 +320,8 @@ def test_multi_group_null_blocks_skipped(model: Path) -> None:
     while h.scheduler.has_requests():
         s = h.step()
         live = h.gpu_blocks(req.request_id)
-        assert null not in s.stored_gpu and null not in s.loaded_gpu
+        assert null not in s.stored_gpu
+        assert null not in s.loaded_gpu
         # Every block a store reads is still the request's when the copy runs.
         stale = [b for b in s.stored_gpu if b not in live]
         assert stale == [], f"stores blocks vLLM freed from the window: {stale}, table {live}"
@@ -326,9 +334,11 @@ def test_chunked_prefill_reads_live_block_ids(model: Path) -> None:
     h.step()  # tokens 0..31
     s2 = h.step()  # tokens 32..63; blocks 0 and 1 are confirmed
     table = h.gpu_blocks(rid)
-    assert s2.store is not None and s2.store.gpu == table[:2]
+    assert s2.store is not None
+    assert s2.store.gpu == table[:2]
     s3 = h.step()  # the last token; blocks 2 and 3 are confirmed
-    assert s3.store is not None and s3.store.gpu == table[2:4]
+    assert s3.store is not None
+    assert s3.store.gpu == table[2:4]
     h.run()
     h.assert_idle()
 
@@ -374,11 +384,13 @@ def test_toctou_cpu_hit_evicted_between_phases_no_crash(model: Path) -> None:
     assert b.request_id not in s.accepted  # no GPU room yet: b waits, its hit pinned
     s = h.step()
     # c's and d's 4 blocks want the pool; a's 2 are pinned by b's hit.
-    assert s.store is not None and len(s.store.cpu) == 2
+    assert s.store is not None
+    assert len(s.store.cpu) == 2
     assert not set(s.store.cpu) & set(store_a.cpu)
     steps = h.run(until=lambda: b.request_id in h.steps[-1].accepted)
     (load,) = steps[-1].loads
-    assert load.req_id == b.request_id and load.valid
+    assert load.req_id == b.request_id
+    assert load.valid
     assert load.cpu == store_a.cpu
     assert len(load.gpu) == 2
     h.run()
@@ -447,7 +459,7 @@ def test_reset_pending_loads(model: Path) -> None:
     prompt, _ = store_prompt(h, 2)
     h.evict_gpu_prefix_cache()
     h.hold()
-    req = h.add(prompt)
+    h.add(prompt)
     (load,) = h.step().loads
     assert h.connector.reset_cache() is True
     assert all(h.gpu_pool.blocks[b].ref_cnt > 0 for b in load.gpu)
@@ -496,7 +508,9 @@ def test_cp_eager_store_and_load_roundtrip(model: Path, dcp: int, pcp: int) -> N
     s = h.step()
     assert s.lookups[req.request_id] == (2 * vbs, True)
     (load,) = s.loads
-    assert load.valid and len(load.gpu) == 2 and load.cpu == store.cpu
+    assert load.valid
+    assert len(load.gpu) == 2
+    assert load.cpu == store.cpu
     h.run()
     h.assert_idle()
 
@@ -518,7 +532,8 @@ def test_cp_effective_block_size_store_and_load(model: Path, dcp: int, pcp: int)
     s = h.step()
     assert s.lookups[req.request_id] == (vbs, True)
     (load,) = s.loads
-    assert load.valid and load.gpu == [h.gpu_blocks(req.request_id)[1]]
+    assert load.valid
+    assert load.gpu == [h.gpu_blocks(req.request_id)[1]]
     h.run()
     h.assert_idle()
 
@@ -533,7 +548,10 @@ LAZY_DCP_GAP = (
     "cp",
     [
         1,
-        *(pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=LAZY_DCP_GAP)) for n in (2, 4)),
+        *(
+            pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=LAZY_DCP_GAP))
+            for n in (2, 4)
+        ),
     ],
 )
 def test_cp_lazy_target_blocks_scaling(model: Path, cp: int) -> None:
@@ -547,4 +565,5 @@ def test_cp_lazy_target_blocks_scaling(model: Path, cp: int) -> None:
         h.add(h.prompt(3, extra_tokens=0))
     assert len(h.step().finished) == 4
     s = h.step()
-    assert s.store is not None and len(s.store.gpu) == 8 // cp
+    assert s.store is not None
+    assert len(s.store.gpu) == 8 // cp
