@@ -175,6 +175,9 @@ def test_lazy_duplicate_store_skipped(model: Path) -> None:
 def test_lru_eviction_order(model: Path) -> None:
     # Upstream's CPU pool of 5 blocks holds 4 (one is Simple's null block); kvoffload has
     # no null block.
+    # kvoffload evicts with CLOCK (see test_touched_blocks_survive_eviction): blocks
+    # never used again since they were stored go in the order they were stored, as with
+    # LRU.
     h = SchedHarness(model, num_cpu_blocks=4)
     a, _ = store_prompt(h, 2)
     b, _ = store_prompt(h, 2)
@@ -274,6 +277,7 @@ def test_inflight_finish_deferred_cleanup(model: Path) -> None:
     h.hold()
     req = h.add(prompt)
     (load,) = h.step().loads
+    assert load.valid
     h.abort(req.request_id)
     # Clean-up waits for the load: the request is still known to both sides.
     for _ in range(2):
@@ -287,7 +291,6 @@ def test_inflight_finish_deferred_cleanup(model: Path) -> None:
     assert s.loads == []
     h.run()
     h.assert_idle()
-    assert load.valid
 
 
 # ---- block tables -----------------------------------------------------------------------------
@@ -444,11 +447,20 @@ def test_reset_pending_lazy_stores(model: Path) -> None:
     assert h.connector.reset_cache() is True
     assert all(h.gpu_pool.blocks[b].ref_cnt > 0 for b in gpu)
     h.release()
-    h.step()
+    s = h.step()
     assert all(h.gpu_pool.blocks[b].ref_cnt == 0 for b in gpu)
+    assert s.store is None
+    assert h.cpu_hit_tokens(prompt) == 0
+    # The blocks vLLM still caches are offloaded again: their copy from before the reset
+    # is gone. (Upstream also checks that Simple's free-queue cursor is cleared, which has
+    # no effect here that a test could see: the released blocks are back at the queue's
+    # end either way.)
+    s = h.step()
+    assert s.store is not None
+    assert sorted(s.store.gpu) == sorted(gpu)
     h.run()
     h.assert_idle()
-    assert h.cpu_hit_tokens(prompt) == 0
+    assert h.cpu_hit_tokens(prompt) == 2 * BS
 
 
 def test_reset_pending_loads(model: Path) -> None:
