@@ -175,10 +175,8 @@ def test_lazy_duplicate_store_skipped(model: Path) -> None:
 
 def test_lru_eviction_order(model: Path) -> None:
     # Upstream's CPU pool of 5 blocks holds 4 (one is Simple's null block); kvoffload has
-    # no null block.
-    # kvoffload evicts with CLOCK (see test_touched_blocks_survive_eviction): blocks
-    # never used again since they were stored go in the order they were stored, as with
-    # LRU.
+    # no null block. kvoffload evicts with CLOCK (see test_touched_blocks_survive_eviction):
+    # blocks used in the order they were stored go in that order, as with LRU.
     h = SchedHarness(model, num_cpu_blocks=4)
     a, _ = store_prompt(h, 2)
     b, _ = store_prompt(h, 2)
