@@ -39,6 +39,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, describe, machine, ratio, summary_ns, write_json
 
+# The real-Scheduler fixtures (``sched_harness``) and the tiny model live with the tests.
+sys.path.insert(0, str(REPO / "tests"))
+
 BLOCK_SIZE = 16
 #: The tiny Llama's KV geometry (2 layers, 2 KV heads of 32, float32): 16 KiB per block.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 2, 2, 32
@@ -114,7 +117,6 @@ def model_dir(arg: str | None) -> Path:
         return Path(arg)
     if (Path("/tmp/tiny_llama") / "config.json").exists():
         return Path("/tmp/tiny_llama")
-    sys.path.insert(0, str(REPO / "tests"))
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(Path.home() / ".cache" / "kvoffload" / "tiny_llama")
@@ -122,34 +124,17 @@ def model_dir(arg: str | None) -> Path:
 
 def build_scheduler(trace: Trace, model: Path, connector: str, lazy: bool) -> Any:
     import torch
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
 
-    from kvoffload.plugin import register
+    from sched_harness import build_scheduler as real_scheduler
+    from sched_harness import full_attention, kv_cache_config
 
-    register()
     max_len = trace.system_tokens + trace.unique_tokens + trace.output_tokens + BLOCK_SIZE
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+    spec = full_attention(
+        BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
     )
-    page = spec.page_size_bytes
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    n = trace.gpu_blocks
     extra: dict[str, Any] = {
-        "cpu_bytes_to_use": trace.cpu_blocks * page * NUM_LAYERS,
+        "cpu_bytes_to_use": trace.cpu_blocks * spec.page_size_bytes * NUM_LAYERS,
         "lazy_offload": lazy,
     }
     if connector == "kvoffload":
@@ -157,43 +142,17 @@ def build_scheduler(trace: Trace, model: Path, connector: str, lazy: bool) -> An
         # kvoffload would pick synchronous loads on vLLM's CPU backend, which changes
         # the schedule. Compare like with like, as on a GPU.
         extra["load_mode"] = "async"
-    kv_cache_config = KVCacheConfig(
-        num_blocks=n,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=n * page * NUM_LAYERS, layers=layers, layer_stride=n * page, block_stride=page
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
-    )
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(
-            model=str(model),
-            dtype="float32",
-            max_model_len=max_len,
-            skip_tokenizer_init=True,
-            seed=0,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=trace.max_num_seqs,
-            max_num_batched_tokens=trace.max_num_batched_tokens,
-            max_model_len=max_len,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector=CONNECTORS[connector],
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        ),
-    )
-    vllm_config.cache_config.num_gpu_blocks = n
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
+    return real_scheduler(
+        model,
+        kv_cache_config(trace.gpu_blocks, [(layers, spec)]),
+        connector=CONNECTORS[connector],
+        module_path=None,
+        extra=extra,
         block_size=BLOCK_SIZE,
-        log_stats=True,
+        dtype="float32",
+        max_num_seqs=trace.max_num_seqs,
+        max_num_batched_tokens=trace.max_num_batched_tokens,
+        max_model_len=max_len,
     )
 
 
@@ -259,15 +218,9 @@ def worker_report(connector: str, meta: Any) -> tuple[set[str] | None, Any, int,
             wm = SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
         return recving, wm, len(meta.store_gpu_blocks), len(meta.load_gpu_blocks)
     from kvoffload.metadata import KVOffloadWorkerMetadata
+    from sched_harness import transfer_report
 
-    ids = [load[0] for load in meta.loads]
-    ok = [bool(load[4]) for load in meta.loads]
-    loaded = sum(len(load[2]) // 4 for load in meta.loads)
-    stored = 0
-    if meta.store is not None:
-        ids.append(meta.store[0])
-        ok.append(True)
-        stored = len(meta.store[1]) // 4
+    ids, ok, stored, loaded = transfer_report(meta)
     wm = KVOffloadWorkerMetadata(transfer_ids=ids, ok=ok) if ids else None
     return None, wm, stored, loaded
 
