@@ -93,6 +93,9 @@ class KVOffloadConnector(KVConnectorBase_V1):
                 events=kv_events_enabled(vllm_config),
                 max_num_batched_tokens=max_num_batched_tokens(vllm_config),
                 sync_loads=config.sync_loads(kv_in_host_memory()),
+                # A copy within host memory is cheap enough to finish inside the step
+                # (see wait_for_save).
+                stores_after_forward=kv_in_host_memory(),
             )
             logger.info(
                 "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
@@ -197,7 +200,14 @@ class KVOffloadConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        # KV in host memory: the step's store copies blocks this forward pass wrote, and
+        # finishes here, so it is reported with this step. vLLM only steps while requests
+        # are unfinished: an offline engine whose last request just finished would
+        # otherwise hold its final blocks (and a lazy store's) until the next request.
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KVOffloadMetadata):
+                self._worker.store_after_forward(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Completions travel as worker metadata; the scheduler side names the requests.

@@ -32,6 +32,7 @@ class OffloadScheduler:
         events: bool,
         max_num_batched_tokens: int,
         sync_loads: bool,
+        stores_after_forward: bool = False,
     ) -> None:
         self._planner = Planner(
             block_size,
@@ -42,6 +43,7 @@ class OffloadScheduler:
             sync_loads=sync_loads,
         )
         self._async_loads = not sync_loads
+        self._stores_after_forward = stores_after_forward
         self._events = events
         self._lazy = config.lazy_offload
         self._lazy_limit = LAZY_WATERMARK_STEPS * -(-max_num_batched_tokens // block_size)
@@ -79,7 +81,8 @@ class OffloadScheduler:
                 raise
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
-        *lists, preempted = scheduled_lists(scheduler_output)
+        after_forward = self._stores_after_forward
+        *lists, preempted = scheduled_lists(scheduler_output, after_forward=after_forward)
         if self._lazy and self._walker is not None:
             ids, hashes = self._walker.candidates(self._lazy_limit)
             if ids:
@@ -87,6 +90,10 @@ class OffloadScheduler:
                 if chosen:
                     self._walker.hold(chosen)
         loads, store = self._planner.schedule(*lists, self._hash_lists)
+        if after_forward:
+            return KVOffloadMetadata(
+                loads=loads, store_after_forward=store, preempted_req_ids=preempted
+            )
         return KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=preempted)
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 PREEMPTION_FENCE_TIMEOUT_S = 30.0
 SYNC_LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 5.0
+#: How long a step waits for its after-forward store (KV in host memory) before leaving it
+#: to finish in the background.
+STORE_AFTER_FORWARD_TIMEOUT_S = 30.0
 
 
 def block_list(raw: bytes) -> list[int]:
@@ -177,6 +180,34 @@ class OffloadWorker:
             return
         for tid, ok, err in done:
             self._record(tid, ok, err)
+
+    def store_after_forward(self, metadata: KVOffloadMetadata) -> None:
+        """Runs the step's after-forward store (KV in host memory) and waits for it, so
+        it is reported with this step.
+
+        If it does not finish in time it stays in flight and is reported when it does:
+        its blocks stay held until then, as nothing may reuse them while it reads them.
+        """
+        if metadata.store_after_forward is None:
+            return
+        tid, gpu, cpu, req_ids = metadata.store_after_forward
+        if self._engine is None:
+            self._record(tid, False, "no KV caches registered")
+            return
+        self._stores[tid] = frozenset(req_ids)
+        try:
+            self._engine.submit(tid, True, gpu, cpu, None)
+        except KVOffloadError as e:
+            self._stores.pop(tid, None)
+            self._record(tid, False, str(e))
+            return
+        try:
+            done = self._engine.wait_for([tid], STORE_AFTER_FORWARD_TIMEOUT_S)
+        except KVOffloadError as e:
+            logger.warning("kvoffload: store %d still running after the step: %s", tid, e)
+            return
+        for done_tid, ok, err in done:
+            self._record(done_tid, ok, err)
 
     def poll(self) -> None:
         if self._engine is None:
