@@ -86,16 +86,18 @@ class KVOffloadConnector(KVConnectorBase_V1):
             )
             return
         if role == KVConnectorRole.SCHEDULER:
+            host = kv_in_host_memory()
+            sync = config.sync_loads(host)
             self._scheduler = OffloadScheduler(
                 config,
                 block_size=block_size(kv_cache_config),
                 num_cpu_blocks=num_cpu_blocks,
                 events=kv_events_enabled(vllm_config),
                 max_num_batched_tokens=max_num_batched_tokens(vllm_config),
-                sync_loads=config.sync_loads(kv_in_host_memory()),
-                # A copy within host memory is cheap enough to finish inside the step
-                # (see wait_for_save).
-                stores_after_forward=kv_in_host_memory(),
+                sync_loads=sync,
+                # Copies within host memory finish inside the step (load_mode "sync", the
+                # default there), stores included (see wait_for_save).
+                stores_after_forward=sync and host,
             )
             logger.info(
                 "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
