@@ -57,7 +57,9 @@ class OffloadScheduler:
         return self._planner
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        self._walker = FreeQueueWalker(gpu_block_pool)
+        # Only lazy mode walks the free queue (the walker follows the queue's removals).
+        if self._lazy:
+            self._walker = FreeQueueWalker(gpu_block_pool)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
