@@ -55,3 +55,12 @@ def test_a_step_without_one_reports_nothing() -> None:
     w.store_after_forward(KVOffloadMetadata(store=(1, ids(1), ids(0), ["r"])))
     assert w.take_worker_meta() is None
     w.shutdown()
+
+
+def test_a_failed_copy_is_reported_failed_within_the_step() -> None:
+    w, _ = make_worker(faults="fatal_after=1")
+    w.store_after_forward(KVOffloadMetadata(store_after_forward=(1, ids(1), ids(0), ["r"])))
+    meta = w.take_worker_meta()
+    assert meta is not None
+    assert (meta.transfer_ids, meta.ok) == ([1], [False])
+    w.shutdown()

@@ -6,7 +6,7 @@ import sys
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from kvoffload._native import KVOffloadError, TransferEngine
+from kvoffload._native import DeviceError, EngineShutdownError, KVOffloadError, TransferEngine
 from kvoffload.cuda_events import CUDA, engine_backend, record_compute_event
 from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import CounterDeltas, KVOffloadStats
@@ -203,6 +203,12 @@ class OffloadWorker:
             return
         try:
             done = self._engine.wait_for([tid], STORE_AFTER_FORWARD_TIMEOUT_S)
+        except (EngineShutdownError, DeviceError) as e:
+            # The copy thread is gone: nothing reads the blocks any more, nothing would
+            # ever report the store.
+            self._stores.pop(tid, None)
+            self._record(tid, False, str(e))
+            return
         except KVOffloadError as e:
             logger.warning("kvoffload: store %d still running after the step: %s", tid, e)
             return
