@@ -81,9 +81,9 @@ def test_planner_round_trip_through_python() -> None:
     assert (loads, store, held) == ([], None, [])
     loads, store, held = p.schedule([], [], [], ["a"], [64], [None], set(), {"a": hashes})
     assert store is not None
-    tid, gpu_b, cpu_b, reqs, flush = store
+    tid, gpu_b, cpu_b, reqs = store
     assert gpu_b == ids(10, 11, 12, 13)
-    assert (reqs, flush) == (["a"], [])
+    assert reqs == ["a"]
     assert p.request_finished("a", hashes, 65)
     sending, recving, errors, released = p.complete([tid], [True])
     assert (sending, recving, errors, released) == (["a"], [], [], [])

@@ -117,3 +117,14 @@ def reset_gpu_prefix_cache(llm: Any, max_steps: int = 500) -> None:
             return
         llm.llm_engine.step()
     raise AssertionError("GPU prefix cache could not be reset")
+
+
+def distinct_prompts(n_requests: int, tokens: int, *, seed: int = 0) -> list[list[int]]:
+    """Requests sharing no block: random token ids, ``tokens`` each."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(tokens)] for _ in range(n_requests)]
+
+
+def planner_stats(llm: Any) -> dict[str, int]:
+    """The connector planner's counters (in-process engines)."""
+    return dict(scheduler_connector(llm).offload_scheduler.planner.stats())

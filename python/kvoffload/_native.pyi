@@ -63,9 +63,8 @@ def parse_config(
 #: ``(transfer_id, req_id, gpu_blocks, cpu_blocks, valid, sync)``; block lists are
 #: little-endian u32 bytes.
 _LoadTuple = tuple[int, str, bytes, bytes, bool, bool]
-#: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids, flush_req_ids)``: ``flush_req_ids`` are
-#: finished requests whose GPU blocks wait for this copy.
-_StoreTuple = tuple[int, bytes, bytes, list[str], list[str]]
+#: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
+_StoreTuple = tuple[int, bytes, bytes, list[str]]
 
 @final
 class Planner:

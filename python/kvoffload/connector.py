@@ -86,13 +86,18 @@ class KVOffloadConnector(KVConnectorBase_V1):
             )
             return
         if role == KVConnectorRole.SCHEDULER:
+            host = kv_in_host_memory()
+            sync = config.sync_loads(host)
             self._scheduler = OffloadScheduler(
                 config,
                 block_size=block_size(kv_cache_config),
                 num_cpu_blocks=num_cpu_blocks,
                 events=kv_events_enabled(vllm_config),
                 max_num_batched_tokens=max_num_batched_tokens(vllm_config),
-                sync_loads=config.sync_loads(kv_in_host_memory()),
+                sync_loads=sync,
+                # Copies within host memory finish inside the step (load_mode "sync", the
+                # default there), stores included (see wait_for_save).
+                stores_after_forward=sync and host,
             )
             logger.info(
                 "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
@@ -197,7 +202,14 @@ class KVOffloadConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        # KV in host memory: the step's store copies blocks this forward pass wrote, and
+        # finishes here, so it is reported with this step. vLLM only steps while requests
+        # are unfinished: an offline engine whose last request just finished would
+        # otherwise hold its final blocks (and a lazy store's) until the next request.
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KVOffloadMetadata):
+                self._worker.store_after_forward(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Completions travel as worker metadata; the scheduler side names the requests.

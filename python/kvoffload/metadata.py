@@ -20,6 +20,9 @@ class KVOffloadMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     store: StoreSpec | None = None
+    #: KV in host memory: the step's store runs after the forward pass, which writes some
+    #: of its blocks, and is over when the step ends (see ``OffloadWorker.store_after_forward``).
+    store_after_forward: StoreSpec | None = None
     #: Requests preempted this step: their GPU blocks may be reused by this step's
     #: forward, so in-flight stores reading them must finish first.
     preempted_req_ids: list[str] = field(default_factory=list)

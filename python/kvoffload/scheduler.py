@@ -36,6 +36,7 @@ class OffloadScheduler:
         events: bool,
         max_num_batched_tokens: int,
         sync_loads: bool,
+        stores_after_forward: bool = False,
     ) -> None:
         self._planner = Planner(
             block_size,
@@ -46,6 +47,7 @@ class OffloadScheduler:
             sync_loads=sync_loads,
         )
         self._async_loads = not sync_loads
+        self._stores_after_forward = stores_after_forward
         self._events = events
         self._lazy = config.lazy_offload
         self._lazy_limit = LAZY_WATERMARK_STEPS * -(-max_num_batched_tokens // block_size)
@@ -61,7 +63,9 @@ class OffloadScheduler:
         return self._planner
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        self._walker = FreeQueueWalker(gpu_block_pool)
+        # Only lazy mode walks the free queue (the walker follows the queue's removals).
+        if self._lazy:
+            self._walker = FreeQueueWalker(gpu_block_pool)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -79,7 +83,8 @@ class OffloadScheduler:
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
-        *lists, preempted = scheduled_lists(scheduler_output)
+        after_forward = self._stores_after_forward
+        *lists, preempted = scheduled_lists(scheduler_output, after_forward=after_forward)
         lazy_ids = lazy_hashes = None
         if self._lazy and self._walker is not None:
             lazy_ids, lazy_hashes = self._walker.candidates(self._lazy_limit)
@@ -88,8 +93,10 @@ class OffloadScheduler:
         )
         if held and self._walker is not None:
             self._walker.hold(held)
-        if store is not None:
-            store = store[:4]
+        if after_forward:
+            return KVOffloadMetadata(
+                loads=loads, store_after_forward=store, preempted_req_ids=preempted
+            )
         return KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=preempted)
 
     def update_connector_output(self, connector_output: Any) -> None:

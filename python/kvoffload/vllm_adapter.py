@@ -118,13 +118,19 @@ def bytes_per_block(kv_cache_config: Any) -> int:
 # ---- scheduler output -------------------------------------------------------------------
 
 
-def scheduled_lists(scheduler_output: Any) -> tuple[Any, ...]:
+def scheduled_lists(scheduler_output: Any, *, after_forward: bool = False) -> tuple[Any, ...]:
     """The per-step request lists the planner consumes, as
     ``(new_req_ids, new_num_computed, new_block_ids, cached_req_ids, cached_num_computed,
     cached_new_block_ids, resumed_req_ids, preempted_req_ids)``.
 
     vLLM's own lists are passed through as they are (no per-request Python work for the
     running requests); only the few new requests of a step are unpacked.
+
+    ``after_forward``: the step's store runs after its forward pass (KV in host memory),
+    so the tokens that count as computed are those computed by the end of the step, and
+    new requests are listed a second time as running ones with no new block, which makes
+    the planner take their blocks in this step rather than from their second one: a
+    request can finish in its first step, and no step may follow to store it then.
     """
     new = scheduler_output.scheduled_new_reqs
     cached = scheduler_output.scheduled_cached_reqs
@@ -133,13 +139,29 @@ def scheduled_lists(scheduler_output: Any) -> tuple[Any, ...]:
         flags = getattr(cached, "resumed_from_preemption", ())
         resumed = {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
     preempted = scheduler_output.preempted_req_ids
-    return (
-        [r.req_id for r in new],
-        [r.num_computed_tokens for r in new],
-        [r.block_ids for r in new],
+    new_ids = [r.req_id for r in new]
+    new_computed = [r.num_computed_tokens for r in new]
+    cached_ids, cached_computed, cached_blocks = (
         cached.req_ids,
         cached.num_computed_tokens,
         cached.new_block_ids,
+    )
+    if after_forward:
+        step = scheduler_output.num_scheduled_tokens
+        new_computed = [n + step.get(r, 0) for r, n in zip(new_ids, new_computed, strict=True)]
+        cached_ids = [*cached_ids, *new_ids]
+        cached_computed = [
+            *(n + step.get(r, 0) for r, n in zip(cached.req_ids, cached_computed, strict=True)),
+            *new_computed,
+        ]
+        cached_blocks = [*cached_blocks, *([None] * len(new_ids))]
+    return (
+        new_ids,
+        new_computed,
+        [r.block_ids for r in new],
+        cached_ids,
+        cached_computed,
+        cached_blocks,
         resumed,
         list(preempted) if preempted else [],
     )
@@ -154,31 +176,65 @@ def allocated_block_ids(blocks: Any) -> list[int]:
 
 
 class FreeQueueWalker:
-    """Walks the GPU free queue from its least recently used end, resuming each step after
-    the last block examined (as long as that block is still free), so a block is looked at
-    once while it stays in the queue."""
+    """Offers each cached block of the GPU free queue once per stay in the queue, least
+    recently used first, resuming each step where the previous walk stopped.
+
+    The cursor is the last block examined. vLLM's queue gives no way to tell, after the
+    fact, that a block left it and came back: a block taken (by a prefix hit, an
+    allocation, or this walker's own ``hold``) and freed again before the next walk is
+    linked in again at the tail, and resuming after it would skip every block between its
+    old and its new place, for good. So the walker follows the queue's removals as they
+    happen (``remove``, ``popleft``, ``popleft_n``, the only ways out): when the cursor
+    leaves, it steps back to the block before it, which was examined already. Blocks
+    that enter the queue join at the tail, after the cursor (``free_blocks`` puts only
+    blocks without a hash at the head, and those are never offered).
+    """
 
     def __init__(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
         self._queue = gpu_block_pool.free_block_queue
+        self._head = self._queue.fake_free_list_head
+        self._tail = self._queue.fake_free_list_tail
         self._cursor: Any = None
+        self._follow_removals(self._queue)
+
+    def _follow_removals(self, queue: Any) -> None:
+        remove, popleft, popleft_n = queue.remove, queue.popleft, queue.popleft_n
+
+        def remove_block(block: Any) -> None:
+            if block is self._cursor:
+                prev = block.prev_free_block
+                self._cursor = None if prev is self._head else prev
+            remove(block)
+
+        def pop_first() -> Any:
+            block = popleft()
+            if block is self._cursor:
+                self._cursor = None
+            return block
+
+        def pop_first_n(n: int) -> list[Any]:
+            blocks = popleft_n(n)
+            # The head is popped in order: if the cursor went, everything before it did.
+            if self._cursor is not None and self._cursor.prev_free_block is None:
+                self._cursor = None
+            return blocks
+
+        queue.remove = remove_block
+        queue.popleft = pop_first
+        queue.popleft_n = pop_first_n
 
     def reset(self) -> None:
         self._cursor = None
 
     def candidates(self, limit: int) -> tuple[list[int], list[bytes]]:
-        """Up to ``limit`` free blocks with a hash: their ids and hashes (group id stripped)."""
+        """Examines up to ``limit`` blocks not examined during their current stay in the
+        queue; returns the ids and hashes (with vLLM's group id) of those with a hash."""
         ids: list[int] = []
         hashes: list[bytes] = []
         cursor = self._cursor
-        if cursor is not None and cursor.ref_cnt > 0:
-            cursor = None
-        node = (
-            self._queue.fake_free_list_head.next_free_block
-            if cursor is None
-            else cursor.next_free_block
-        )
-        tail = self._queue.fake_free_list_tail
+        node = self._head.next_free_block if cursor is None else cursor.next_free_block
+        tail = self._tail
         seen = 0
         while node is not None and node is not tail and seen < limit:
             h = node._block_hash

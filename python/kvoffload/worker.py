@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 PREEMPTION_FENCE_TIMEOUT_S = 30.0
 SYNC_LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 5.0
+#: How long a step waits for its after-forward store (KV in host memory) before leaving it
+#: to finish in the background.
+STORE_AFTER_FORWARD_TIMEOUT_S = 30.0
 
 #: What a worker whose engine did not stop in time keeps alive for the rest of the process:
 #: the copy thread may still write into the registered KV tensors (and read torch events),
@@ -190,6 +193,28 @@ class OffloadWorker:
             logger.error("kvoffload: %d of the %s failed: %s", len(failed), what, failed[0])
         for tid, ok, err in done:
             self._record(tid, ok, err)
+
+    def store_after_forward(self, metadata: KVOffloadMetadata) -> None:
+        """Runs the step's after-forward store (KV in host memory) and waits for it, so
+        it is reported with this step and an idle engine holds no GPU block.
+
+        A store slower than its wait stops the engine like any other timed-out wait: the
+        report still comes only once the copy no longer reads its blocks.
+        """
+        if metadata.store_after_forward is None:
+            return
+        tid, gpu, cpu, req_ids = metadata.store_after_forward
+        if self._engine is None:
+            self._record(tid, False, "no KV caches registered")
+            return
+        self._stores[tid] = frozenset(req_ids)
+        try:
+            self._engine.submit(tid, True, gpu, cpu, None)
+        except KVOffloadError as e:
+            self._stores.pop(tid, None)
+            self._record(tid, False, str(e))
+            return
+        self._wait([tid], STORE_AFTER_FORWARD_TIMEOUT_S, "the step's store")
 
     def poll(self) -> None:
         if self._engine is None:

@@ -20,15 +20,8 @@ type LoadTuple<'py> = (
     bool,
     bool,
 );
-/// `(id, gpu_blocks, cpu_blocks, req_ids, flush_req_ids)`; block lists are little-endian
-/// u32 bytes.
-type StoreTuple<'py> = (
-    u64,
-    Bound<'py, PyBytes>,
-    Bound<'py, PyBytes>,
-    Vec<String>,
-    Vec<String>,
-);
+/// `(id, gpu_blocks, cpu_blocks, req_ids)`; block lists are little-endian u32 bytes.
+type StoreTuple<'py> = (u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Vec<String>);
 /// `(loads, store, held_gpu_blocks)`.
 type StepTuple<'py> = (Vec<LoadTuple<'py>>, Option<StoreTuple<'py>>, Vec<u32>);
 
@@ -413,7 +406,6 @@ fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
             ids_to_bytes(py, &s.gpu_blocks),
             ids_to_bytes(py, &s.cpu_blocks),
             s.req_ids,
-            s.flush_req_ids,
         )
     });
     (loads, store, plan.held_gpu_blocks)

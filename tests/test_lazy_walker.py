@@ -1,0 +1,144 @@
+"""The lazy-mode walker against vLLM's real ``BlockPool``: every cached block in the GPU free
+queue is offered exactly once per stay in the queue, whatever vLLM (or the walker's own
+holds) did to the queue between walks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+
+from kvoffload.vllm_adapter import FreeQueueWalker
+
+NUM_BLOCKS = 24
+
+
+class Hashes:
+    """Fresh block hashes, as vLLM gives a block when it caches it."""
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def give(self, block: KVCacheBlock) -> None:
+        self._n += 1
+        block.set_block_hash(make_block_hash_with_group_id(self._n.to_bytes(32, "big"), 0))
+
+
+def cached_free_blocks(pool: BlockPool) -> list[int]:
+    """Ids of the free queue's blocks with a hash, least recently used first."""
+    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash]
+
+
+def offer_all(walker: FreeQueueWalker) -> list[int]:
+    return walker.candidates(limit=10 * NUM_BLOCKS)[0]
+
+
+def freed_cached_blocks(pool: BlockPool, hashes: Hashes, n: int) -> list[KVCacheBlock]:
+    blocks = pool.get_new_blocks(n)
+    for b in blocks:
+        hashes.give(b)
+    pool.free_blocks(blocks)
+    return blocks
+
+
+def test_block_held_and_released_before_the_next_walk_skips_nothing() -> None:
+    pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
+    walker = FreeQueueWalker(pool)
+    first = freed_cached_blocks(pool, hashes, 3)
+    assert offer_all(walker) == [b.block_id for b in first]
+    # A lazy store holds the last block offered (the cursor), then more blocks are freed
+    # behind it, then the store completes: the block rejoins the queue at the tail.
+    walker.hold([first[-1].block_id])
+    later = freed_cached_blocks(pool, hashes, 4)
+    walker.release([first[-1].block_id])
+    assert offer_all(walker) == [b.block_id for b in later] + [first[-1].block_id]
+    assert offer_all(walker) == []
+
+
+def test_cursor_taken_by_a_prefix_hit_and_freed_again_skips_nothing() -> None:
+    pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
+    walker = FreeQueueWalker(pool)
+    first = freed_cached_blocks(pool, hashes, 3)
+    assert offer_all(walker) == [b.block_id for b in first]
+    later = freed_cached_blocks(pool, hashes, 2)
+    pool.touch([first[-1]])  # another request hits the cursor block...
+    pool.free_blocks([first[-1]])  # ...and finishes before the next walk
+    assert offer_all(walker) == [b.block_id for b in later] + [first[-1].block_id]
+
+
+def test_cursor_reallocated_restarts_from_the_head() -> None:
+    pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
+    walker = FreeQueueWalker(pool)
+    # Allocation takes never-used blocks first: use them up, then cache three blocks.
+    spare = pool.get_new_blocks(pool.get_num_free_blocks() - 3)
+    cached = pool.get_new_blocks(3)
+    for b in cached:
+        hashes.give(b)
+    pool.free_blocks(cached)
+    assert walker.candidates(limit=2)[0] == [b.block_id for b in cached[:2]]
+    # The cursor (second block) is reallocated, loses its hash, gets a new one and is
+    # freed again: the block after it was never offered, the block itself is new.
+    taken = pool.get_new_blocks(2)
+    assert taken == cached[:2]
+    hashes.give(taken[1])
+    pool.free_blocks([taken[1]])
+    assert offer_all(walker) == [cached[2].block_id, taken[1].block_id]
+    pool.free_blocks([taken[0], *spare])
+
+
+def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None:
+    """A randomized model check: after any mix of allocations, prefix hits, frees, walks,
+    holds and releases, the offered blocks are exactly a least-recently-used prefix of the
+    cached free blocks, none offered twice during one stay in the queue."""
+    for seed in range(60):
+        rng = random.Random(seed)
+        pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
+        walker = FreeQueueWalker(pool)
+        refs: list[KVCacheBlock] = []  # one entry per reference a "request" holds
+        held: list[int] = []  # blocks a lazy store holds
+        offered: set[int] = set()  # offered during their current stay in the queue
+        for step in range(200):
+            op = rng.choice(["alloc", "hit", "free", "walk", "release"])
+            if op == "alloc" and pool.get_num_free_blocks() > 0:
+                blocks = pool.get_new_blocks(rng.randint(1, min(4, pool.get_num_free_blocks())))
+                for b in blocks:
+                    if rng.random() < 0.7:
+                        hashes.give(b)
+                refs.extend(blocks)
+            elif op == "hit":
+                cached = [b for b in pool.blocks if b.block_hash is not None]
+                if cached:
+                    hit = rng.sample(cached, min(len(cached), rng.randint(1, 3)))
+                    pool.touch(hit)
+                    refs.extend(hit)
+            elif op == "free" and refs:
+                rng.shuffle(refs)
+                n = rng.randint(1, len(refs))
+                pool.free_blocks(refs[:n])
+                del refs[:n]
+            elif op == "walk":
+                ids, got = walker.candidates(limit=rng.randint(1, NUM_BLOCKS))
+                assert got == [pool.blocks[i].block_hash for i in ids]
+                assert not offered.intersection(ids), f"seed {seed} step {step}: re-offered"
+                offered.update(ids)
+                chosen = [i for i in ids if rng.random() < 0.5]
+                walker.hold(chosen)
+                held.extend(chosen)
+            elif op == "release" and held:
+                rng.shuffle(held)
+                n = rng.randint(1, len(held))
+                walker.release(held[:n])
+                del held[:n]
+            free = cached_free_blocks(pool)
+            offered.intersection_update(free)  # a block that left the queue starts afresh
+            assert free[: len(offered)] == [b for b in free if b in offered], (
+                f"seed {seed} step {step} ({op}): a cached free block was skipped"
+            )
+        rest = offer_all(walker)
+        assert not offered.intersection(rest)
+        assert sorted(offered.union(rest)) == sorted(cached_free_blocks(pool)), f"seed {seed}"
