@@ -67,9 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("measurement and output")
     g.add_argument("--repeats", type=int, default=2, help="runs per configuration (default 2)")
     g.add_argument(
-        "--unique-repeats", type=int, default=3, help="no-reuse runs per configuration (default 3)"
+        "--unique-repeats", type=int, default=4, help="no-reuse runs per configuration (default 4)"
     )
-    g.add_argument("--json", type=Path, help="raw results (default: docs/demo.json, or demo.json")
+    g.add_argument(
+        "--json", type=Path, help="raw results (default: docs/demo.json; with --model: ./demo.json)"
+    )
     g.add_argument("--plot", type=Path, help="TTFT plot (default: docs/demo.png, or demo.png)")
     g.add_argument("--log", type=Path, help="vLLM's log file (default: in the temp directory)")
     g.add_argument("--verbose", action="store_true", help="vLLM's log on the terminal")

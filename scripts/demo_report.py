@@ -160,7 +160,7 @@ def plot(data: dict[str, Any], out: Path) -> None:
 
     w = data["workloads"]["chat"]
     s = summarize(data, "chat")
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.6))
     colors = {"vllm": "#9aa5b1", "kvoffload": "#d9480f"}
     for cfg in CONFIGS:
         runs = _runs(data, "chat", cfg)
@@ -180,11 +180,12 @@ def plot(data: dict[str, Any], out: Path) -> None:
         ax.axvline(u * w["turns"] + 0.5, color="#dddddd", lw=0.8, zorder=0)
     ax.set_xlabel(f"request (grouped by user: {w['users']} users x {w['turns']} turns)")
     ax.set_ylabel("time to first token (ms)")
+    m = data["machine"]
     ax.set_title(
-        f"Multi-user chat, {describe_chat(w)}\n{data['model']['description']}, "
-        f"{data['machine']['cpu']} ({data['machine']['cores']} cores), "
-        f"median of {s['vllm']['repeats']} runs per request",
-        fontsize=9,
+        f"Multi-user chat: {describe_chat(w)}\n{data['model']['description']}\n"
+        f"{m['cpu']} ({m['cores']} cores), vLLM {m['versions'].get('vllm', '?')} CPU backend; "
+        f"each point: median of {s['vllm']['repeats']} runs",
+        fontsize=8,
     )
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=9)

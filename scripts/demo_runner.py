@@ -157,13 +157,19 @@ def run(
             engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
 
         # Turn-major order, at most max_num_seqs requests in flight, one per user: by the time a
-        # user asks again, the other users' turns have passed through the cache.
+        # user asks again, the other users' turns have passed through the cache. Users join
+        # one after another (a user's first question waits for the previous user's first
+        # token) rather than all at the same instant.
         waiting = [(u, t) for t in range(workload.turns) for u in range(workload.users)]
         busy: set[int] = set()
+        started: set[str] = set()
+
+        def ready(u: int, t: int) -> bool:
+            return u not in busy and (t > 0 or u == 0 or f"u{u - 1}t0" in started)
 
         def refill() -> None:
             while len(busy) < spec.concurrency:
-                nxt = next(((u, t) for u, t in waiting if u not in busy), None)
+                nxt = next(((u, t) for u, t in waiting if ready(u, t)), None)
                 if nxt is None:
                     return
                 waiting.remove(nxt)
@@ -174,6 +180,8 @@ def run(
         refill()
         while engine.has_unfinished_requests():
             for out in engine.step():
+                if out.outputs and out.outputs[0].token_ids:
+                    started.add(out.request_id)
                 if not out.finished:
                     continue
                 r = requests[out.request_id]

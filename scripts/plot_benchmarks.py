@@ -110,12 +110,12 @@ def index_panel(ax: Any, data: dict[str, Any]) -> None:
     ax.legend(fontsize=8, loc="upper right", ncols=2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--index", type=Path, default=DATA / "compare_index.json")
     ap.add_argument("--scheduler", type=Path, default=DATA / "compare_scheduler.json")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.png")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import matplotlib
 
