@@ -43,12 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="HF model directory or name (default: the local demo Llama)")
     g = p.add_argument_group("chat workload")
     g.add_argument("--users", type=int, default=5, help="conversations (default 5)")
-    g.add_argument("--turns", type=int, default=6, help="questions per user (default 6)")
+    g.add_argument("--turns", type=int, default=8, help="questions per user (default 8)")
     g.add_argument("--system-tokens", type=int, default=2000, help="system prompt (default 2000)")
     g.add_argument("--question-tokens", type=int, default=64, help="per question (default 64)")
     g.add_argument("--output-tokens", type=int, default=16, help="per answer (default 16)")
     g = p.add_argument_group("no-reuse workload")
-    g.add_argument("--unique-prompts", type=int, default=6, help="prompts (default 6)")
+    g.add_argument("--unique-prompts", type=int, default=8, help="prompts (default 8)")
     g.add_argument("--unique-tokens", type=int, default=1024, help="per prompt (default 1024)")
     g = p.add_argument_group("engine")
     g.add_argument("--concurrency", type=int, default=3, help="vLLM max_num_seqs (default 3)")
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("measurement and output")
     g.add_argument("--repeats", type=int, default=2, help="runs per configuration (default 2)")
     g.add_argument(
-        "--unique-repeats", type=int, default=4, help="no-reuse runs per configuration (default 4)"
+        "--unique-repeats", type=int, default=3, help="no-reuse runs per configuration (default 3)"
     )
     g.add_argument(
         "--json", type=Path, help="raw results (default: docs/demo.json; with --model: ./demo.json)"
@@ -225,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                 r = run(spec, kvo if cfg == "kvoffload" else None, w, vocab, step)
                 bar.close()
                 outputs = r.pop("outputs")
-                reference.setdefault(f"{wname}/{rep}", outputs)
+                # Every run of a workload is compared with its first run.
+                reference.setdefault(wname, outputs)
                 r.update(workload=wname, config=cfg, rep=rep)
-                r["identical"] = outputs == reference[f"{wname}/{rep}"]
+                r["identical"] = outputs == reference[wname]
                 runs.append(r)
         data = {
             "demo": 1,
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 "concurrency": args.concurrency,
                 "cpu_mib": args.cpu_mib,
                 "lazy": args.lazy,
+                "threads": args.threads if args.model is None else None,
             },
             "workloads": {k: vars(v) for k, v in workloads.items()},
             "runs": runs,

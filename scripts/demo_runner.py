@@ -128,8 +128,8 @@ def run(
 ) -> dict[str, Any]:
     """Runs ``workload`` on a fresh engine (shut down afterwards) and returns per-request
     time to first token and output tokens (ordered by user, then turn), wall and process
-    CPU time, and the engine's token counters: prompt tokens served from vLLM's own prefix
-    cache, from the connector, and recomputed."""
+    CPU time, and the engine's token counters: prompt
+    tokens served from vLLM's own prefix cache, from the connector, and recomputed."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -138,10 +138,11 @@ def run(
     llm = _engine(spec, kv_transfer_config)
     try:
         engine = llm.llm_engine
-        # First forward passes and kernel set-up, on a prompt that shares no block with
-        # the workload (token 2 never occurs in it).
+        # First forward passes, kernel set-up and the first large activations, on a prompt
+        # as long as a system prompt that shares no block with the workload (token 2 never
+        # occurs in it): otherwise the first request of every run pays for them.
         llm.generate(
-            [TokensPrompt(prompt_token_ids=[2] * 8)],
+            [TokensPrompt(prompt_token_ids=[2] * workload.system_tokens)],
             SamplingParams(max_tokens=2, ignore_eos=True),
             use_tqdm=False,
         )
