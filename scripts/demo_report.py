@@ -117,10 +117,10 @@ def table(data: dict[str, Any]) -> str:
     threads = "" if n_threads is None else f" ({n_threads} thread{'s' if n_threads > 1 else ''})"
     lines += [
         "",
-        f"measured: time to first token = vLLM's per-request arrival -> first token, over all "
-        f"{n_req} requests x {a['repeats']} runs;",
-        f"wall and CPU time = median run; each run on a fresh engine{threads}, one at a time, "
-        "order alternating",
+        f"measured: TTFT = vLLM's per-request arrival -> first token, all {n_req} requests x "
+        f"{a['repeats']} runs;",
+        f"wall and CPU time: median run. Each run on a fresh engine{threads}, one at a time,",
+        "configurations alternating.",
         "",
         overhead_line(data),
     ]
@@ -151,10 +151,10 @@ def overhead_line(data: dict[str, Any]) -> str:
     o = overhead(data)
     return (
         f"no reuse ({w['users']} unique {w['system_tokens'] + w['question_tokens']:,}-token "
-        f"prompts, {o['runs']} runs each): kvoffload / vLLM process CPU time {o['cpu']:.3f}x "
-        f"(median run);\n  wall time {o['wall']:.2f}x (median of {o['pairs']} alternating "
-        f"pairs, single pairs {o['wall_min']:.2f}-{o['wall_max']:.2f}x); outputs "
-        f"token-identical: {'yes' if o['identical'] else 'NO'}"
+        f"prompts, {o['runs']} runs each): kvoffload / vLLM\n"
+        f"  process CPU time {o['cpu']:.3f}x (median run), wall time {o['wall']:.2f}x (median "
+        f"of {o['pairs']} pairs;\n  single pairs {o['wall_min']:.2f}-{o['wall_max']:.2f}x); "
+        f"outputs token-identical: {'yes' if o['identical'] else 'NO'}"
     )
 
 

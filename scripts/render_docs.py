@@ -122,7 +122,9 @@ def ns(x: float) -> str:
 
 
 def ratio(x: float) -> str:
-    return f"{sig(x, 2 if x < 10 else 3)}x" if x < 100 else f"{x:,.0f}x"
+    if x >= 100:
+        return f"{x:,.0f}x"
+    return f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
 
 
 def pct(x: float) -> str:
@@ -184,10 +186,10 @@ def demo_table() -> str:
 
 
 def demo_caption(data: dict[str, Any]) -> str:
+    m = data["machine"]
     return (
-        f"Measured {data['machine']['date']} on {data['machine']['cpu']} "
-        f"({data['machine']['cores']} cores, shared with other work, no GPU) with vLLM "
-        f"{data['machine']['versions'].get('vllm', '?')} on its CPU backend; the model is a "
+        f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, {m.get('gpu') or 'no GPU'}) "
+        f"with vLLM {m['versions'].get('vllm', '?')}; the model is a "
         f"{data['model']['description']}. Raw results: `docs/demo.json`."
     )
 
@@ -552,8 +554,9 @@ def e2e_table() -> str:
     def vs(key: str, r: dict[str, Any], lower: bool) -> str:
         if r is base:
             return ""
-        x = base[key] / r[key] if lower else r[key] / base[key]
-        return f" ({ratio(x)})"
+        if lower:
+            return f" ({ratio(base[key] / r[key])} lower)"
+        return f" ({ratio(r[key] / base[key])})"
 
     rows += [
         "| mean time to first token | "
