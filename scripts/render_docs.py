@@ -258,11 +258,15 @@ def performance() -> str:
 
 @region("bench-machine")
 def bench_machine() -> str:
-    m = load_json("benchmarks/compare_scheduler.json")["machine"]
-    return (
-        f"Python benchmarks: {machine_line(m)}. The Rust benches ran on the same machine "
-        f"(their logs: `docs/benchmarks/cargo_bench_*.txt`).\n"
+    rows = ["| raw results | measured on |", "|---|---|"]
+    for name in ("compare_scheduler", "compare_index", "compare_index_grouped", "e2e"):
+        m = load_json(f"benchmarks/{name}.json")["machine"]
+        rows.append(f"| `docs/benchmarks/{name}.json` | {machine_line(m)} |")
+    rows.append(
+        "| `docs/benchmarks/cargo_bench_*.txt` | criterion's logs, which record no machine or "
+        "date |"
     )
+    return "\n".join(rows) + "\n"
 
 
 @region("scheduler")
