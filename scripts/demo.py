@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         # Before torch is imported: OpenMP reads these once.
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    print("[demo] building the demo model (cached under ~/.cache/kvoffload) ...", flush=True)
+    if args.model is None:
+        print("[demo] building the demo model (cached under ~/.cache/kvoffload) ...", flush=True)
     with quiet(None if args.verbose else args.log) as term:
 
         def say(msg: str) -> None:
@@ -221,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             for cfg in order:
                 n += 1
                 bar = Progress(term, f"run {n}/{len(plan) * 2}: {wname}, {LABELS[cfg]}", w.requests)
-                step: Callable[[], None] = bar.step
-                r = run(spec, kvo if cfg == "kvoffload" else None, w, vocab, step)
+                r = run(spec, kvo if cfg == "kvoffload" else None, w, vocab, bar.step)
                 bar.close()
                 outputs = r.pop("outputs")
                 # Every run of a workload is compared with its first run.

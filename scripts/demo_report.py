@@ -105,8 +105,8 @@ def table(data: dict[str, Any]) -> str:
     lines = [
         f"chat: {describe_chat(data['workloads']['chat'])}",
         f"vLLM KV cache {eng['kv_cache_mib']:g} MiB ({eng['kv_cache_blocks']} blocks), "
-        f"max_num_seqs {eng['concurrency']}, kvoffload CPU pool {eng['cpu_mib']:g} MiB; "
-        f"{a['repeats']} runs each",
+        f"max_num_seqs {eng['concurrency']}; kvoffload {'lazy' if eng['lazy'] else 'eager'}, "
+        f"CPU pool {eng['cpu_mib']:g} MiB",
         "",
         head,
         "-" * len(head),
