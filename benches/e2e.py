@@ -1,15 +1,17 @@
 #!/usr/bin/env python
-"""End to end: the demo workload on a real vLLM engine, without and with kvoffload.
+"""End to end: the demo's chat workload on a real vLLM engine, without and with kvoffload,
+eager and lazy (and, with ``--with-simple`` on a CUDA machine, vLLM's
+SimpleCPUOffloadConnector).
 
-The workload is ``scripts/demo.py``'s: users with long system prompts taking turns, so a
-user's prompt has left vLLM's small GPU KV cache by the time the user comes back. Each
-configuration gets a fresh engine (one at a time): vLLM alone, kvoffload eager, kvoffload
-lazy (and, with ``--with-simple`` on a CUDA machine, vLLM's SimpleCPUOffloadConnector).
-Printed per configuration: mean time to first token (vLLM's own histogram), output and
-total token throughput, wall time, and where the prompt tokens came from.
+The workload and the engine run are ``scripts/demo.py``'s (``scripts/demo_runner.py``): users
+with long system prompts take turns, so a user's prefix has left vLLM's small KV cache by
+the time the user asks again. Each run gets a fresh engine (one at a time); configurations
+alternate within each repetition. Printed per configuration: time to first token (mean,
+p50, p90 over every request of every repetition), output tokens/s, median wall time, and
+where the prompt tokens came from.
 
-    .venv/bin/python benches/e2e.py                   # tiny local Llama, vLLM's CPU backend
-    .venv/bin/python benches/e2e.py /path/to/model --kv-cache-mib 2048 --cpu-mib 65536
+    .venv/bin/python benches/e2e.py                   # the demo's local Llama, vLLM's CPU backend
+    .venv/bin/python benches/e2e.py --model /path/to/model --kv-cache-mib 2048 --cpu-mib 65536
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, describe, machine, ratio, write_json
+from _common import REPO, describe, machine, write_json
 
 sys.path.insert(0, str(REPO / "scripts"))
-from demo import measure, offload_config, workload
+from demo import demo_model, quiet
+from demo_report import summarize
+from demo_runner import EngineSpec, Workload, offload_config, run
 
-CONFIGS = {
+#: Configuration -> (connector, lazy); None is plain vLLM.
+CONFIGS: dict[str, tuple[str, bool] | None] = {
     "off": None,
     "eager": ("KVOffloadConnector", False),
     "lazy": ("KVOffloadConnector", True),
@@ -42,16 +46,17 @@ CONFIGS = {
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("model", nargs="?", help="HF model dir or name (default: a tiny local Llama)")
-    p.add_argument("--users", type=int, default=8)
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--system-tokens", type=int, default=900)
-    p.add_argument("--question-tokens", type=int, default=60)
+    p.add_argument("--model", help="HF model dir or name (default: the demo's local Llama)")
+    p.add_argument("--users", type=int, default=5)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=2000)
+    p.add_argument("--question-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4, help="vLLM max_num_seqs")
-    p.add_argument("--kv-cache-mib", type=float, default=4.0, help="vLLM's own KV cache")
-    p.add_argument("--cpu-mib", type=float, default=256.0, help="the CPU pool")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--concurrency", type=int, default=3, help="vLLM max_num_seqs")
+    p.add_argument("--kv-cache-mib", type=float, default=72, help="vLLM's own KV cache")
+    p.add_argument("--cpu-mib", type=float, default=512, help="the CPU pool")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=1, help="local model: OpenMP threads")
     p.add_argument("--configs", default="off,eager,lazy", help=f"comma list of {list(CONFIGS)}")
     p.add_argument(
         "--with-simple",
@@ -59,8 +64,9 @@ def parse_args() -> argparse.Namespace:
         help="also run SimpleCPUOffloadConnector eager and lazy (needs CUDA)",
     )
     p.add_argument("--load-mode", help="kvoffload load_mode (default: the connector's auto)")
-    p.add_argument("--repeat", type=int, default=1, help="runs per configuration (median)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per configuration")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--log", type=Path, help="vLLM's log (default: the terminal)")
     p.add_argument("--smoke", action="store_true", help="a tiny workload (CI smoke test)")
     args = p.parse_args()
     if args.with_simple:
@@ -70,110 +76,91 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run(model: str, prompts: list[list[int]], args: argparse.Namespace, cfg: str) -> dict:
-    kv_transfer_config = None
+def transfer_config(args: argparse.Namespace, cfg: str) -> dict[str, Any] | None:
     conn = CONFIGS[cfg]
-    if conn is not None:
-        name, lazy = conn
-        kv_transfer_config = offload_config(args, lazy=lazy)
-        kv_transfer_config["kv_connector"] = name
-        kv_transfer_config["kv_load_failure_policy"] = "recompute"
-        if args.load_mode and name == "KVOffloadConnector":
-            kv_transfer_config["kv_connector_extra_config"]["load_mode"] = args.load_mode
-    r = measure(model, prompts, args, kv_transfer_config, warmup=True)
-    tokens = r["prompt_tokens"] + r["output_tokens"]
-    return {
-        "config": cfg,
-        **r,
-        "ttft_ms": r["ttft_ms"] or None,
-        "output_tok_s": r["output_tokens"] / r["wall_s"],
-        "total_tok_s": tokens / r["wall_s"],
-    }
+    if conn is None:
+        return None
+    name, lazy = conn
+    kv = offload_config(int(args.cpu_mib * 2**20), lazy=lazy)
+    kv["kv_connector"] = name
+    if args.load_mode and name == "KVOffloadConnector":
+        kv["kv_connector_extra_config"]["load_mode"] = args.load_mode
+    return kv
 
 
-def line(r: dict[str, Any]) -> str:
+def line(cfg: str, s: dict[str, Any]) -> str:
     return (
-        f"{r['config']:>13}: TTFT {r['ttft_ms'] or 0:7.1f} ms, {r['output_tok_s']:7.1f} output "
-        f"tok/s, {r['total_tok_s']:8.0f} total tok/s, wall {r['wall_s']:.2f} s; prompt tokens "
-        f"{r['prompt_tokens']:,}: GPU hits {r['gpu_hit_tokens']:,}, CPU hits "
-        f"{r['cpu_hit_tokens']:,}, recomputed {r['recomputed_tokens']:,}"
+        f"{cfg:>13}: TTFT mean {s['ttft_mean_ms']:8.1f} ms (p50 {s['ttft_p50_ms']:.0f}, p90 "
+        f"{s['ttft_p90_ms']:.0f}), {s['output_tok_s']:7.1f} output tok/s, wall "
+        f"{s['wall_s']:.2f} s; prompt tokens {s['prompt_tokens']:,.0f}: GPU hits "
+        f"{s['gpu_hit_tokens']:,.0f}, CPU hits {s['cpu_hit_tokens']:,.0f}, recomputed "
+        f"{s['recomputed_tokens']:,.0f}"
     )
 
 
 def main() -> int:
     args = parse_args()
-    tiny = args.model is None
-    if tiny:
-        sys.path.insert(0, str(REPO / "tests"))
-        from tiny_model import build_tiny_llama
+    if args.model is None:
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    with quiet(args.log) as term:
+        if args.model is None:
+            model, vocab, desc = demo_model()
+        else:
+            from transformers import AutoConfig
 
-        model, vocab = str(build_tiny_llama(Path.home() / ".cache/kvoffload/tiny_llama")), 1024
-    else:
-        from transformers import AutoConfig
+            model, desc = args.model, args.model
+            vocab = int(AutoConfig.from_pretrained(model).vocab_size)
+        import torch  # noqa: F401
+        import vllm  # noqa: F401  (versions in the machine line)
 
-        model, vocab = args.model, int(AutoConfig.from_pretrained(args.model).vocab_size)
-    import torch  # noqa: F401
-    import vllm  # noqa: F401  (versions in the machine line)
-
-    prompts = workload(args, vocab)
-    m = machine()
-    print(f"machine: {describe(m)}")
-    print(
-        f"workload: {args.users} users x {args.turns} turns, {args.system_tokens}-token system "
-        f"prompts + {args.question_tokens}-token questions, {args.output_tokens} output tokens, "
-        f"max_num_seqs {args.concurrency}, vLLM KV cache {args.kv_cache_mib:g} MiB, CPU pool "
-        f"{args.cpu_mib:g} MiB\n",
-        flush=True,
-    )
-    cfgs = args.configs.split(",")
-    # Configurations alternate within each repetition, so a busy spell on the machine
-    # hits all of them; per configuration the run with the median wall time is reported.
-    by_cfg: dict[str, list[dict[str, Any]]] = {c: [] for c in cfgs}
-    for rep in range(args.repeat):
+        w = Workload(
+            "chat",
+            args.users,
+            args.turns,
+            args.system_tokens,
+            args.question_tokens,
+            args.output_tokens,
+        )
+        spec = EngineSpec(
+            model, args.model is None, args.max_model_len, args.concurrency,
+            int(args.kv_cache_mib * 2**20),
+        )  # fmt: skip
+        m = machine()
+        term.write(f"machine: {describe(m)}\nmodel: {desc}\n")
+        cfgs = args.configs.split(",")
+        runs: list[dict[str, Any]] = []
+        reference: list[list[int]] | None = None
+        for rep in range(args.repeat):
+            for cfg in cfgs if rep % 2 == 0 else cfgs[::-1]:
+                r = run(spec, transfer_config(args, cfg), w, vocab)
+                outputs = r.pop("outputs")
+                if cfg == "off" and reference is None:
+                    reference = outputs
+                r.update(workload="chat", config=cfg, rep=rep, outputs=outputs)
+                runs.append(r)
+                term.write(f"[{rep + 1}/{args.repeat}] {cfg} done in {r['wall_s']:.1f} s\n")
+        results = []
         for cfg in cfgs:
-            r = run(model, prompts, args, cfg)
-            by_cfg[cfg].append(r)
-            tag = f"[{rep + 1}/{args.repeat}] " if args.repeat > 1 else ""
-            print(f"{tag}{line(r)}", flush=True)
-    results = []
-    for cfg in cfgs:
-        runs = sorted(by_cfg[cfg], key=lambda r: r["wall_s"])
-        r = runs[len(runs) // 2]
-        if len(runs) > 1:
-            r["ttft_ms_runs"] = [x["ttft_ms"] for x in runs]
-            r["wall_s_runs"] = [x["wall_s"] for x in runs]
-        results.append(r)
-    if args.repeat > 1:
-        print(f"\nmedian of {args.repeat}:")
-        for r in results:
-            print(line(r))
-    base = next((r for r in results if r["config"] == "off"), None)
-    ok = True
-    if base is not None:
-        print()
-        for r in results:
-            if r is base:
-                continue
-            same = r["tokens"] == base["tokens"]
-            ok &= same
-            ttft = ratio(base["ttft_ms"] or 0.0, r["ttft_ms"] or 0.0)
-            print(
-                f"{r['config']:>13} vs vLLM alone: TTFT {ttft:.2f}x "
-                f"lower, throughput {ratio(r['total_tok_s'], base['total_tok_s']):.2f}x, "
-                f"outputs token-identical: {'yes' if same else 'NO'}"
-            )
-    for r in results:
-        del r["tokens"]
-    write_json(
-        args.json,
-        {
-            "benchmark": "e2e",
-            "machine": m,
-            "model": model,
-            "params": {k: v for k, v in vars(args).items() if k != "json"},
-            "results": results,
-        },
-    )
+            mine = [r for r in runs if r["config"] == cfg]
+            for r in mine:
+                r["identical"] = reference is None or r.pop("outputs") == reference
+            # summarize() compares two configurations; each is summarized as "kvoffload".
+            s = summarize({"runs": [{**r, "config": "kvoffload"} for r in mine]}, "chat")
+            results.append({"config": cfg, **s["kvoffload"]})
+            term.write(line(cfg, s["kvoffload"]) + "\n")
+        ok = all(r["identical"] for r in results)
+        term.write(f"outputs token-identical to plain vLLM: {'yes' if ok else 'NO'}\n")
+        write_json(
+            args.json,
+            {
+                "benchmark": "e2e",
+                "machine": m,
+                "model_description": desc,
+                "params": {k: v for k, v in vars(args).items() if k not in ("json", "log")},
+                "results": results,
+            },
+        )
     return 0 if ok else 1
 
 

@@ -26,6 +26,7 @@ done
 
 step "index: vLLM BlockPool vs kvoffload"
 "$PY" benches/compare_index.py "${smoke[@]}" --json "$OUT/compare_index.json"
+"$PY" benches/compare_index.py "${smoke[@]}" --order grouped --json "$OUT/compare_index_grouped.json"
 
 step "scheduler: SimpleCPUOffloadConnector vs kvoffload"
 "$PY" benches/compare_scheduler.py "${smoke[@]}" --quiet --json "$OUT/compare_scheduler.json"
@@ -37,3 +38,8 @@ step "plot"
 "$PY" scripts/plot_benchmarks.py --index "$OUT/compare_index.json" \
     --scheduler "$OUT/compare_scheduler.json" \
     --out "$([[ ${#smoke[@]} -gt 0 ]] && echo "$OUT/benchmarks.png" || echo docs/benchmarks.png)"
+
+if [[ ${#smoke[@]} -eq 0 ]]; then
+    step "README.md and benches/README.md from the new results"
+    "$PY" scripts/render_docs.py
+fi

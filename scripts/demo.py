@@ -1,224 +1,270 @@
-"""The main job: one multi-user workload on a real vLLM engine, without and with kvoffload.
+"""The main job: a multi-user chat workload on a real vLLM engine, without and with kvoffload.
 
-Each user has a long system prompt and asks several questions; users take turns, so by
-the time a user comes back, vLLM's small GPU KV cache has evicted that user's prompt.
-Without kvoffload vLLM recomputes it; with kvoffload the blocks come back from host memory.
+Users with long system prompts hold conversations and take turns; vLLM's KV cache is far
+smaller than all the conversations, so by the time a user asks again the prefix has been
+evicted. Plain vLLM recomputes it; kvoffload copies it back from host memory. A second
+workload where nothing repeats shows what kvoffload costs when it cannot help.
 
-    python scripts/demo.py                       # tiny random-weight Llama built locally
-    python scripts/demo.py /path/to/model --kv-cache-gib 4 --cpu-gib 64   # a real model
+The two configurations run alternately (--repeats times each), each run on a fresh engine,
+one engine at a time. vLLM's own log goes to a file (--log; --verbose shows it instead).
+
+    python scripts/demo.py                 # a random-weight Llama built locally (no download)
+    python scripts/demo.py --model /path/to/hf-model --kv-cache-mib 4096 --cpu-mib 65536
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import random
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
+from _common import REPO, machine
+from demo_report import LABELS, plot, table
+from demo_runner import EngineSpec, Workload, offload_config, run
+
+#: The locally built model (tests/tiny_model.py: DEMO_SHAPE) and its tokenizer's vocabulary.
+DEMO_MODEL_DIR = Path.home() / ".cache" / "kvoffload" / "demo_llama"
 
 
-def say(msg: str) -> None:
-    print(f"[demo] {msg}", flush=True)
-
-
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("model", nargs="?", help="HF model dir or name (default: a tiny local Llama)")
-    p.add_argument("--users", type=int, default=8, help="users, one system prompt each")
-    p.add_argument("--turns", type=int, default=3, help="questions per user")
-    p.add_argument("--system-tokens", type=int, default=900, help="tokens per system prompt")
-    p.add_argument("--question-tokens", type=int, default=60)
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4, help="vLLM max_num_seqs")
-    p.add_argument("--kv-cache-mib", type=float, default=4.0, help="vLLM's own KV cache")
-    p.add_argument("--cpu-mib", type=float, default=256.0, help="kvoffload's CPU pool")
-    p.add_argument("--lazy", action="store_true", help="lazy_offload: store near eviction")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    return p.parse_args()
+    p.add_argument("--model", help="HF model directory or name (default: the local demo Llama)")
+    g = p.add_argument_group("chat workload")
+    g.add_argument("--users", type=int, default=5, help="conversations (default 5)")
+    g.add_argument("--turns", type=int, default=8, help="questions per user (default 8)")
+    g.add_argument("--system-tokens", type=int, default=2000, help="system prompt (default 2000)")
+    g.add_argument("--question-tokens", type=int, default=64, help="per question (default 64)")
+    g.add_argument("--output-tokens", type=int, default=16, help="per answer (default 16)")
+    g = p.add_argument_group("no-reuse workload")
+    g.add_argument("--unique-prompts", type=int, default=8, help="prompts (default 8)")
+    g.add_argument("--unique-tokens", type=int, default=1024, help="per prompt (default 1024)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--concurrency", type=int, default=3, help="vLLM max_num_seqs (default 3)")
+    g.add_argument("--kv-cache-mib", type=float, default=72, help="vLLM's KV cache (default 72)")
+    g.add_argument("--cpu-mib", type=float, default=512, help="kvoffload's pool (default 512)")
+    g.add_argument("--lazy", action="store_true", help="kvoffload lazy_offload (default eager)")
+    g.add_argument("--max-model-len", type=int, default=4096)
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="vLLM CPU backend: OpenMP threads, unbound (default 1). More are faster on an\n"
+        "idle machine, but when other processes compete for the cores every parallel\n"
+        "region waits for a descheduled thread and a step takes 10x longer",
+    )
+    g = p.add_argument_group("measurement and output")
+    g.add_argument("--repeats", type=int, default=2, help="runs per configuration (default 2)")
+    g.add_argument(
+        "--unique-repeats", type=int, default=3, help="no-reuse runs per configuration (default 3)"
+    )
+    g.add_argument(
+        "--json", type=Path, help="raw results (default: docs/demo.json; with --model: ./demo.json)"
+    )
+    g.add_argument("--plot", type=Path, help="TTFT plot (default: docs/demo.png, or demo.png)")
+    g.add_argument("--log", type=Path, help="vLLM's log file (default: in the temp directory)")
+    g.add_argument("--verbose", action="store_true", help="vLLM's log on the terminal")
+    args = p.parse_args(argv)
+    out = REPO / "docs" if args.model is None else Path.cwd()
+    args.json = args.json or out / "demo.json"
+    args.plot = args.plot or out / "demo.png"
+    args.log = args.log or Path(tempfile.gettempdir()) / "kvoffload-demo-vllm.log"
+    return args
 
 
-def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    rng = random.Random(0)
-    systems = [
-        [rng.randrange(3, vocab) for _ in range(args.system_tokens)] for _ in range(args.users)
-    ]
-    prompts = []
-    for _turn in range(args.turns):
-        for user in range(args.users):
-            question = [rng.randrange(3, vocab) for _ in range(args.question_tokens)]
-            prompts.append(systems[user] + question)
-    return prompts
-
-
-def metrics(llm: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if hasattr(m, "value"):
-            out[m.name] = out.get(m.name, 0.0) + float(m.value)
-        elif hasattr(m, "sum") and hasattr(m, "count"):
-            out[m.name + ":sum"] = out.get(m.name + ":sum", 0.0) + float(m.sum)
-            out[m.name + ":count"] = out.get(m.name + ":count", 0.0) + float(m.count)
-    return out
-
-
-def offload_config(args: argparse.Namespace, *, lazy: bool) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVOffloadConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "cpu_bytes_to_use": int(args.cpu_mib * 2**20),
-            "lazy_offload": lazy,
-        },
-    }
-
-
-def measure(
-    model: str,
-    prompts: list[list[int]],
-    args: argparse.Namespace,
-    kv_transfer_config: dict[str, Any] | None,
-    *,
-    warmup: bool = False,
-) -> dict[str, Any]:
-    """Runs `prompts` on a fresh engine (shut down afterwards) and returns the outputs and
-    what vLLM's own counters say: prompt tokens served from the GPU and CPU caches,
-    tokens recomputed, mean time to first token, wall time."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    kw: dict[str, Any] = {
-        "model": model,
-        "enforce_eager": True,
-        "enable_prefix_caching": True,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.concurrency,
-        "kv_cache_memory_bytes": int(args.kv_cache_mib * 2**20),
-        "disable_log_stats": False,
-        "seed": 0,
-    }
-    if args.model is None:  # the tiny local model: float32 on vLLM's CPU backend
-        kw["dtype"] = "float32"
-        kw["distributed_executor_backend"] = "uni"
-    if kv_transfer_config is not None:
-        kw["kv_transfer_config"] = kv_transfer_config
-    llm = LLM(**kw)
+@contextmanager
+def quiet(log: Path | None) -> Iterator[IO[str]]:
+    """Sends everything written to fds 1 and 2 (vLLM's logger, warnings, native libraries,
+    vLLM's own progress bars) to ``log`` and yields a stream to the terminal. ``None``:
+    nothing is redirected."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    term = os.fdopen(os.dup(1), "w", buffering=1)
+    if log is None:
+        try:
+            yield term
+        finally:
+            term.close()
+        return
+    saved = os.dup(1), os.dup(2)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     try:
-        params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
-        if warmup:
-            # First forward passes and kernel set-up, on a prompt that shares no block
-            # with the workload.
-            llm.generate(
-                [TokensPrompt(prompt_token_ids=[2] * 8)],
-                SamplingParams(max_tokens=2, ignore_eos=True),
-                use_tqdm=False,
-            )
-        before = metrics(llm)
-        t0 = time.perf_counter()
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
-        wall = time.perf_counter() - t0
-        after = metrics(llm)
+        yield term
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-        ensure_kv_transfer_shutdown()
-
-    def d(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    prompt_tokens = sum(len(p) for p in prompts)
-    gpu_hits = d("vllm:prefix_cache_hits")
-    cpu_hits = d("vllm:external_prefix_cache_hits")
-    ttft_n = d("vllm:time_to_first_token_seconds:count")
-    return {
-        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-        "gpu_hit_tokens": int(gpu_hits),
-        "cpu_hit_tokens": int(cpu_hits),
-        "recomputed_tokens": int(prompt_tokens - gpu_hits - cpu_hits),
-        "ttft_ms": 1000 * d("vllm:time_to_first_token_seconds:sum") / ttft_n if ttft_n else 0.0,
-        "wall_s": wall,
-    }
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for s in saved:
+            os.close(s)
+        term.close()
 
 
-def table(base: dict, off: dict, mode: str) -> str:
-    rows = [
-        ("prompt tokens", base["prompt_tokens"], off["prompt_tokens"], "{:,.0f}"),
-        ("served from GPU prefix cache", base["gpu_hit_tokens"], off["gpu_hit_tokens"], "{:,.0f}"),
-        ("served from CPU (kvoffload)", base["cpu_hit_tokens"], off["cpu_hit_tokens"], "{:,.0f}"),
-        (
-            "prefill tokens recomputed",
-            base["recomputed_tokens"],
-            off["recomputed_tokens"],
-            "{:,.0f}",
-        ),
-        ("mean time to first token (ms)", base["ttft_ms"], off["ttft_ms"], "{:,.1f}"),
-        ("wall time (s)", base["wall_s"], off["wall_s"], "{:,.2f}"),
-    ]
-    head = f"{'':32}{'vLLM':>14}{'+ kvoffload (' + mode + ')':>24}"
-    lines = [head, "-" * len(head)]
-    for name, a, b, fmt in rows:
-        lines.append(f"{name:32}{fmt.format(a):>14}{fmt.format(b):>24}")
-    return "\n".join(lines)
+class Progress:
+    """One line per run; redrawn as a bar while the run goes on when the terminal is a tty."""
+
+    def __init__(self, term: IO[str], label: str, total: int) -> None:
+        self.term, self.label, self.total, self.done = term, label, total, 0
+        self.tty = term.isatty()
+        self.t0 = time.perf_counter()
+        self._draw()
+
+    def _draw(self, end: str = "") -> None:
+        if not self.tty and not end:
+            return
+        width = 24
+        full = width * self.done // max(1, self.total)
+        bar = "#" * full + "." * (width - full)
+        secs = time.perf_counter() - self.t0
+        line = f"  {self.label:44} [{bar}] {self.done:3}/{self.total} requests {secs:6.1f} s"
+        self.term.write(("\r" if self.tty else "") + line + end)
+        self.term.flush()
+
+    def step(self) -> None:
+        self.done += 1
+        self._draw()
+
+    def close(self) -> None:
+        self._draw("\n")
 
 
-def main() -> int:
-    args = parse_args()
+def demo_model() -> tuple[str, int, str]:
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_model import DEMO_SHAPE, build_demo_llama
+
+    path = build_demo_llama(DEMO_MODEL_DIR)
+    s = DEMO_SHAPE
+    desc = (
+        f"random-weight Llama ({s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
+        f"{s['num_attention_heads']} heads / {s['num_key_value_heads']} KV heads of "
+        f"{s['head_dim']}, float32)"
+    )
+    from transformers import AutoConfig
+
+    return str(path), int(AutoConfig.from_pretrained(path).vocab_size), desc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.model is None:
-        sys.path.insert(0, str(REPO / "tests"))
-        from tiny_model import build_tiny_llama
+        # Before torch is imported: OpenMP reads these once.
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if args.model is None:
+        print("[demo] building the demo model (cached under ~/.cache/kvoffload) ...", flush=True)
+    with quiet(None if args.verbose else args.log) as term:
 
-        say("building the tiny random-weight Llama (cached under ~/.cache/kvoffload)")
-        model = str(build_tiny_llama(Path.home() / ".cache" / "kvoffload" / "tiny_llama"))
-        vocab = 1024
-    else:
-        from transformers import AutoConfig
+        def say(msg: str) -> None:
+            term.write(f"[demo] {msg}\n")
+            term.flush()
 
-        model = args.model
-        vocab = int(AutoConfig.from_pretrained(model).vocab_size)
-    prompts = workload(args, vocab)
-    say(
-        f"workload: {args.users} users x {args.turns} turns, {args.system_tokens}-token system "
-        f"prompts, vLLM KV cache {args.kv_cache_mib:g} MiB, kvoffload CPU pool {args.cpu_mib:g} MiB"
-    )
-    say("run 1/2: vLLM alone ...")
-    base = measure(model, prompts, args, None)
-    say(f"run 1/2 done in {base['wall_s']:.1f} s")
-    mode = "lazy" if args.lazy else "eager"
-    say(f"run 2/2: vLLM + kvoffload ({mode}) ...")
-    off = measure(model, prompts, args, offload_config(args, lazy=args.lazy))
-    say(f"run 2/2 done in {off['wall_s']:.1f} s")
-    print()
-    print(table(base, off, mode))
-    print()
-    same = base["tokens"] == off["tokens"]
-    saved = base["recomputed_tokens"] - off["recomputed_tokens"]
-    print(f"outputs token-identical: {'yes' if same else 'NO'}")
-    if base["recomputed_tokens"]:
-        share = 100 * saved / base["recomputed_tokens"]
-        print(f"prefill recomputation saved: {saved:,} tokens ({share:.0f}%)")
-    print()
-    print(
-        "On a GPU server: pass your model as the first argument, and size vLLM's cache and the\n"
-        "CPU pool with --kv-cache-mib / --cpu-mib (in production: gpu_memory_utilization and\n"
-        'kv_connector_extra_config={"cpu_bytes_to_use": ...}).'
-    )
-    return 0 if same else 1
+        if args.model is None:
+            model, vocab, desc = demo_model()
+        else:
+            from transformers import AutoConfig
+
+            model, desc = args.model, args.model
+            vocab = int(AutoConfig.from_pretrained(model).vocab_size)
+        if not args.verbose:
+            say(f"vLLM's log: {args.log}")
+        spec = EngineSpec(
+            model=model,
+            tiny_cpu=args.model is None,
+            max_model_len=args.max_model_len,
+            concurrency=args.concurrency,
+            kv_cache_bytes=int(args.kv_cache_mib * 2**20),
+        )
+        kvo = offload_config(int(args.cpu_mib * 2**20), lazy=args.lazy)
+        workloads = {
+            "chat": Workload(
+                "chat",
+                args.users,
+                args.turns,
+                args.system_tokens,
+                args.question_tokens,
+                args.output_tokens,
+            ),
+            "unique": Workload(
+                "unique", args.unique_prompts, 1, args.unique_tokens - 16, 16, args.output_tokens
+            ),
+        }
+        plan = [("chat", rep) for rep in range(args.repeats)]
+        plan += [("unique", rep) for rep in range(args.unique_repeats)]
+        say(
+            f"{len(plan) * 2} runs: the chat workload {args.repeats}x and the no-reuse "
+            f"workload {args.unique_repeats}x per configuration, alternating"
+        )
+        import vllm  # noqa: F401  (its version goes into the machine record)
+
+        runs: list[dict[str, Any]] = []
+        reference: dict[str, list[list[int]]] = {}
+        n = 0
+        for wname, rep in plan:
+            w = workloads[wname]
+            # Alternate which configuration goes first, so neither always runs on a machine
+            # the other has just warmed.
+            order = ["vllm", "kvoffload"] if rep % 2 == 0 else ["kvoffload", "vllm"]
+            for cfg in order:
+                n += 1
+                bar = Progress(term, f"run {n}/{len(plan) * 2}: {wname}, {LABELS[cfg]}", w.requests)
+                r = run(spec, kvo if cfg == "kvoffload" else None, w, vocab, bar.step)
+                bar.close()
+                outputs = r.pop("outputs")
+                # Every run of a workload is compared with its first run.
+                reference.setdefault(wname, outputs)
+                r.update(workload=wname, config=cfg, rep=rep)
+                r["identical"] = outputs == reference[wname]
+                runs.append(r)
+        data = {
+            "demo": 1,
+            "machine": machine(),
+            "model": {"path": model if args.model else None, "description": desc},
+            "engine": {
+                "kv_cache_mib": args.kv_cache_mib,
+                "kv_cache_blocks": runs[0]["kv_cache_blocks"],
+                "block_size": runs[0]["block_size"],
+                "concurrency": args.concurrency,
+                "cpu_mib": args.cpu_mib,
+                "lazy": args.lazy,
+                "threads": args.threads if args.model is None else None,
+            },
+            "workloads": {k: vars(v) for k, v in workloads.items()},
+            "runs": runs,
+        }
+        write(args, data, say)
+        term.write("\n" + table(data) + "\n")
+        ok = all(r["identical"] for r in runs)
+    return 0 if ok else 1
+
+
+def write(args: argparse.Namespace, data: dict[str, Any], say: Callable[[str], None]) -> None:
+    import json
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    plot(data, args.plot)
+    say(f"wrote {args.json} and {args.plot}")
+    if args.json.resolve() == (REPO / "docs" / "demo.json").resolve():
+        from render_docs import render_all
+
+        changed = render_all(write=True)
+        if changed:
+            say(f"re-rendered from the new results: {', '.join(changed)}")
 
 
 if __name__ == "__main__":

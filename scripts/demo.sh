@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Sets everything up (scripts/setup.sh) and runs the main job: the same multi-user workload
-# on a real vLLM engine without and with kvoffload, printing what offloading saved.
-#   scripts/demo.sh                      # tiny random-weight Llama built locally
-#   scripts/demo.sh /path/to/hf-model    # your own model (see --help for pool size etc.)
+# Sets everything up (scripts/setup.sh) and runs the main job: a multi-user chat workload on
+# a real vLLM engine without and with kvoffload, printing what offloading saved, plus a
+# no-reuse workload for kvoffload's overhead. vLLM's log goes to a file (--verbose: terminal).
+#   scripts/demo.sh                          # a random-weight Llama built locally
+#   scripts/demo.sh --model /path/to/model   # your own model (--help: workload, cache sizes)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$REPO/scripts/setup.sh"

@@ -72,8 +72,8 @@ def scheduler_panel(ax: Any, data: dict[str, Any]) -> None:
     ax.set_title(
         f"Scheduler side: {t['requests']} requests, {t['systems']} shared "
         f"{t['system_tokens']}-token prompts\nvLLM v1 Scheduler, GPU {t['gpu_blocks']} / "
-        f"CPU {t['cpu_blocks']:,} blocks",
-        fontsize=9,
+        f"CPU {t['cpu_blocks']:,} blocks\n{machine_line(data['machine'])}",
+        fontsize=8,
     )
     ax.set_ylim(0, max(by[("simple", m)]["connector_step"]["mean_us"] for m in modes) * 1.3)
     ax.legend(fontsize=8, loc="upper right")
@@ -104,18 +104,19 @@ def index_panel(ax: Any, data: dict[str, Any]) -> None:
     ax.set_xticks(range(len(rows)), [SHORT.get(r["op"], r["op"]) for r in rows], fontsize=8)
     ax.set_ylabel("µs per call, 128 blocks (p50, log)")
     ax.set_title(
-        f"Index through Python: pool of {data['params']['blocks']:,} blocks, 128-block prefixes",
-        fontsize=9,
+        f"Index through Python: pool of {data['params']['blocks']:,} blocks, 128-block "
+        f"prefixes\n{machine_line(data['machine'])}",
+        fontsize=8,
     )
     ax.legend(fontsize=8, loc="upper right", ncols=2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--index", type=Path, default=DATA / "compare_index.json")
     ap.add_argument("--scheduler", type=Path, default=DATA / "compare_scheduler.json")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.png")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import matplotlib
 
@@ -126,7 +127,7 @@ def main() -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
     scheduler_panel(a, sched)
     index_panel(b, index)
-    fig.suptitle(f"kvoffload vs vLLM  ({machine_line(sched['machine'])})", fontsize=10)
+    fig.suptitle("kvoffload vs vLLM", fontsize=10)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)

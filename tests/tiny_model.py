@@ -1,7 +1,9 @@
-"""A tiny random-weight Llama + byte-level BPE tokenizer for end-to-end tests.
+"""Random-weight Llamas + a byte-level BPE tokenizer, built locally (nothing is downloaded).
 
-No model can be downloaded on CI, so tests build one locally. Large init scale
+``build_tiny_llama``: the end-to-end tests' model, as small as vLLM runs. Large init scale
 (initializer_range=0.25) makes the output depend visibly on the KV cache.
+``build_demo_llama``: the demo's model, a realistic shape scaled down for a small CPU, so
+that a prefill costs far more than copying its KV cache.
 """
 
 from __future__ import annotations
@@ -33,12 +35,45 @@ def _corpus(seed: int) -> list[str]:
     return _CORPUS * 4 + [" ".join(words[i : i + 20]) for i in range(0, len(words), 20)]
 
 
+#: The tiny test model: 2 layers, hidden 128 (16 KiB of float32 KV per 128-token block).
+TINY_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "initializer_range": 0.25,
+}
+
+#: The demo model: Llama's proportions (GQA 4:1, head_dim 64, SwiGLU at ~2.75x hidden) at a
+#: size where a 2,000-token prefill takes hundreds of ms on one CPU core while its KV
+#: (float32: 8 KiB per token, 1 MiB per 128-token block) copies in a few.
+DEMO_SHAPE = {
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "initializer_range": 0.1,
+}
+
+
 def build_tiny_llama(path: str | Path, *, seed: int = 0) -> Path:
     """Create (once) a tiny random Llama model + tokenizer at ``path`` and return it.
 
     If ``path/config.json`` already exists the directory is returned untouched.
     """
-    path = Path(path)
+    return _build_once(Path(path), seed, TINY_SHAPE)
+
+
+def build_demo_llama(path: str | Path, *, seed: int = 0) -> Path:
+    """Create (once) the demo's random Llama (``DEMO_SHAPE``) + tokenizer at ``path``."""
+    return _build_once(Path(path), seed, DEMO_SHAPE)
+
+
+def _build_once(path: Path, seed: int, shape: dict[str, float]) -> Path:
     if (path / "config.json").exists():
         return path
     # Build in a private temp dir and rename, so an interrupted or concurrent build never
@@ -50,7 +85,7 @@ def build_tiny_llama(path: str | Path, *, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        _build(tmp, seed)
+        _build(tmp, seed, shape)
         try:
             os.rename(tmp, path)  # atomic; fails if path exists and is non-empty
         except OSError:
@@ -63,8 +98,7 @@ def build_tiny_llama(path: str | Path, *, seed: int = 0) -> Path:
     return path
 
 
-def _build(path: Path, seed: int) -> None:
-
+def _build(path: Path, seed: int, shape: dict[str, float]) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -89,14 +123,8 @@ def _build(path: Path, seed: int) -> None:
     # --- model -------------------------------------------------------------------------------
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        **shape,
         max_position_embeddings=4096,
-        initializer_range=0.25,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=fast.bos_token_id,

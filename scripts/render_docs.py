@@ -1,0 +1,661 @@
+#!/usr/bin/env python
+"""Renders every figure in README.md and benches/README.md from the committed raw results.
+
+Each generated part of a document sits between
+
+    <!-- BEGIN GENERATED: name -->
+    <!-- END GENERATED: name -->
+
+and is rewritten from the data under docs/ (the demo's docs/demo.json, the Python
+benchmarks' docs/benchmarks/*.json, the criterion logs docs/benchmarks/cargo_bench_*.txt).
+Text outside the markers is left alone. tests/test_docs.py checks that the committed
+documents equal what this script renders, so a figure cannot drift from its source.
+
+    .venv/bin/python scripts/render_docs.py           # rewrite the documents
+    .venv/bin/python scripts/render_docs.py --check   # exit 1 if a document is stale
+    .venv/bin/python scripts/render_docs.py --plots   # also redraw docs/*.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+DATA = DOCS / "benchmarks"
+DOCUMENTS = ("README.md", "benches/README.md")
+
+sys.path.insert(0, str(REPO / "scripts"))
+from demo_report import overhead, summarize, table  # noqa: E402
+
+MARKER = re.compile(
+    r"(<!-- BEGIN GENERATED: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)"
+    r"(<!-- END GENERATED: (?P=name) -->)",
+    re.S,
+)
+
+
+class RenderError(Exception):
+    """A document names a region this script does not know, or data is missing."""
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+
+@cache
+def load_json(name: str) -> dict[str, Any]:
+    return json.loads((DOCS / name).read_text())
+
+
+_FIELD = re.compile(r"^(?P<label>[a-z ]*?) ?(?P<value>[0-9.]+) (?P<unit>[A-Za-z/ ]+)$")
+
+
+def parse_bench_summary(text: str) -> dict[str, dict[str, float]]:
+    """The summary line each Rust bench prints per case (the median of its samples), e.g.
+    ``index/lookup/hit/48505: 6.1 ns/op, 165.0 M ops/s`` -> ``{"ns/op": 6.1, "M ops/s": 165.0}``
+    and ``...: round trip 539.0 ns/block, submit 39.7 ns/block`` -> keys ``round trip``,
+    ``submit``. Criterion's own lines are skipped."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+/[A-Za-z0-9_/]+): (.+)$", line)
+        if not m:
+            continue
+        fields: dict[str, float] = {}
+        for part in m.group(2).split(", "):
+            f = _FIELD.match(part)
+            if f is None:
+                raise RenderError(f"cannot parse the bench line {line!r}")
+            fields[f["label"] or f["unit"]] = float(f["value"])
+        out[m.group(1)] = fields
+    return out
+
+
+@cache
+def bench_lines(name: str) -> dict[str, dict[str, float]]:
+    return parse_bench_summary((DATA / f"cargo_bench_{name}.txt").read_text())
+
+
+def bench(name: str, case: str, key: str) -> float:
+    try:
+        return bench_lines(name)[case][key]
+    except KeyError as e:
+        raise RenderError(f"cargo_bench_{name}.txt has no {key!r} for {case!r}") from e
+
+
+# ---- formatting ----------------------------------------------------------------------------
+
+
+def sig(x: float, digits: int = 3) -> str:
+    """``digits`` significant figures (at least the integer part), thousands separated,
+    trailing zeros after the point dropped: 6.1, 0.45, 1,392."""
+    if x == 0:
+        return "0"
+    if abs(x) >= 1:
+        decimals = max(0, digits - len(str(int(abs(x)))))
+    else:
+        decimals = digits + _zeros_after_point(x)
+    text = f"{x:,.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _zeros_after_point(x: float) -> int:
+    n, x = 0, abs(x)
+    while x < 0.1:
+        x *= 10
+        n += 1
+    return n
+
+
+def us(x: float) -> str:
+    return f"{sig(x)} µs"
+
+
+def ns(x: float) -> str:
+    return us(x / 1000) if x >= 1000 else f"{sig(x)} ns"
+
+
+def ratio(x: float) -> str:
+    if x >= 100:
+        return f"{x:,.0f}x"
+    return f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    gpu = m.get("gpu") or "no GPU"
+    v = m.get("versions", {})
+    return (
+        f"{m['date']}, {m['cpu']} ({m['cores']} cores, {gpu}), Python {v.get('python', '?')}, "
+        f"vLLM {v.get('vllm', '?')}, torch {v.get('torch', '?')}"
+    )
+
+
+#: Targets the project set itself (not measurements); the docs say whether the data meets them.
+GOALS = {
+    "scheduler_ratio": 10.0,  # Simple's connector time per step / kvoffload's, mean
+    "scheduler_share": 0.07,  # kvoffload's share of the scheduler's step time
+    "index_ratio": 20.0,  # vLLM BlockPool / kvoffload, find + pin a 128-block prefix
+    "find_pin_us": 7.6,  # kvoffload find + pin of a 128-block prefix through Python
+    "lookups_m_per_s": 20.0,  # Rust index lookups per second per core, millions
+}
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+# ---- regions -------------------------------------------------------------------------------
+
+Region = Callable[[], str]
+REGIONS: dict[str, Region] = {}
+
+
+def region(name: str) -> Callable[[Region], Region]:
+    def add(f: Region) -> Region:
+        REGIONS[name] = f
+        return f
+
+    return add
+
+
+def _sched() -> dict[tuple[str, str], dict[str, Any]]:
+    return {
+        (r["connector"], r["mode"]): r
+        for r in load_json("benchmarks/compare_scheduler.json")["results"]
+    }
+
+
+def _index(name: str = "compare_index") -> dict[str, dict[str, Any]]:
+    return {r["op"]: r for r in load_json(f"benchmarks/{name}.json")["rows"]}
+
+
+@region("demo")
+def demo_table() -> str:
+    data = load_json("demo.json")
+    return f"```text\n{table(data)}\n```\n\n{demo_caption(data)}\n"
+
+
+def demo_caption(data: dict[str, Any]) -> str:
+    m = data["machine"]
+    return (
+        f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, {m.get('gpu') or 'no GPU'}) "
+        f"with vLLM {m['versions'].get('vllm', '?')}; the model is a "
+        f"{data['model']['description']}. Raw results: `docs/demo.json`."
+    )
+
+
+@region("performance")
+def performance() -> str:
+    s = _sched()
+    d = load_json("demo.json")
+    chat = summarize(d, "chat")
+    a, b = chat["vllm"], chat["kvoffload"]
+    ov = overhead(d)
+    trace = load_json("benchmarks/compare_scheduler.json")["trace"]
+    ix = _index()
+    total = load_json("benchmarks/compare_index.json")["total_ms"]
+    se, ke, sl, kl = (
+        s["simple", "eager"],
+        s["kvoffload", "eager"],
+        s["simple", "lazy"],
+        s["kvoffload", "lazy"],
+    )
+    h, evict = "index/lookup/hit/48505", "cache/evict_insert/reserve_publish/48505"
+    return (
+        "\n".join(
+            [
+                f"- **End to end** (`scripts/demo.py`, the table above): mean time to first token "
+                f"{a['ttft_mean_ms']:,.0f} → {b['ttft_mean_ms']:,.0f} ms "
+                f"({ratio(b['ttft_mean_ms'] / a['ttft_mean_ms'])}), "
+                f"{a['recomputed_tokens'] - b['recomputed_tokens']:,.0f} of "
+                f"{a['recomputed_tokens']:,.0f} prefill tokens not recomputed, token-identical "
+                f"outputs. With nothing to reuse, kvoffload's process CPU time was "
+                f"{ov['cpu']:.3f}x vLLM's (median of {ov['runs']} runs each).",
+                f"- **Scheduler side** (`benches/compare_scheduler.py`: "
+                f"{trace['requests']}-request "
+                f"trace, {trace['systems']} shared {trace['system_tokens']}-token prompts, vLLM's "
+                f"real v1 `Scheduler`, GPU {trace['gpu_blocks']:,} / CPU {trace['cpu_blocks']:,} "
+                f"blocks): kvoffload's scheduler-side methods take "
+                f"{us(ke['connector_step']['mean_us'])} per step (eager) and "
+                f"{us(kl['connector_step']['mean_us'])} (lazy) against "
+                f"`SimpleCPUOffloadConnector`'s {us(se['connector_step']['mean_us'])} and "
+                f"{us(sl['connector_step']['mean_us'])} in the same run — "
+                f"**{ratio(se['connector_step']['mean_us'] / ke['connector_step']['mean_us'])} and "
+                f"{ratio(sl['connector_step']['mean_us'] / kl['connector_step']['mean_us'])} "
+                "less**, "
+                f"{pct(ke['share'])} / {pct(kl['share'])} of the scheduler's step time instead of "
+                f"{pct(se['share'])} / {pct(sl['share'])}, with CPU-hit tokens "
+                f"{se['cpu_hit_tokens']:,} / {ke['cpu_hit_tokens']:,} (eager) and "
+                f"{sl['cpu_hit_tokens']:,} / {kl['cpu_hit_tokens']:,} (lazy).",
+                "- **Index through Python** (`benches/compare_index.py`, 128-block prefixes): "
+                "find "
+                f"+ pin {us(ix['find_pin']['kvoffload_us'])} vs vLLM `BlockPool` "
+                f"{us(ix['find_pin']['vllm_us'])} ({ratio(ix['find_pin']['ratio'])}), unpin "
+                f"{ratio(ix['unpin']['ratio'])}, a waiting request asking again "
+                f"{ratio(ix['find_pin_repeat']['ratio'])}, the whole key stream "
+                f"{ratio(total['vllm'] / total['kvoffload'])}.",
+                f"- **Rust** (`cargo bench -p offload-core --bench index`, 48,505-block pool, per "
+                f"core): lookup hit {sig(bench('index', h, 'M ops/s'))} M/s, miss "
+                f"{sig(bench('index', 'index/lookup/miss/48505', 'M ops/s'))} M/s, insert "
+                f"{sig(bench('index', 'index/insert/fill/48505', 'M ops/s'))} M/s, pin + unpin "
+                f"{sig(bench('index', 'cache/pin_unpin/block/48505', 'M ops/s'))} M/s, evict + "
+                f"insert {sig(bench('index', evict, 'M ops/s'))} M/s.",
+            ]
+        )
+        + "\n"
+    )
+
+
+@region("bench-machine")
+def bench_machine() -> str:
+    rows = ["| raw results | measured on |", "|---|---|"]
+    for name in ("compare_scheduler", "compare_index", "compare_index_grouped", "e2e"):
+        m = load_json(f"benchmarks/{name}.json")["machine"]
+        rows.append(f"| `docs/benchmarks/{name}.json` | {machine_line(m)} |")
+    rows.append(
+        "| `docs/benchmarks/cargo_bench_*.txt` | criterion's logs, which record no machine or "
+        "date |"
+    )
+    return "\n".join(rows) + "\n"
+
+
+@region("scheduler")
+def scheduler_table() -> str:
+    s = _sched()
+    modes = ("eager", "lazy")
+    reps = {len(r.get("runs_mean_us", [0])) for r in s.values()}
+    if len(reps) != 1:
+        raise RenderError(f"compare_scheduler.json: configurations ran {reps} times")
+    n = reps.pop()
+    rows = [
+        "| per scheduler step | Simple eager | kvoffload eager | Simple lazy | kvoffload lazy |",
+        "|---|---|---|---|---|",
+    ]
+
+    def row(label: str, f: Callable[[dict[str, Any], dict[str, Any] | None], str]) -> str:
+        cells = []
+        for m in modes:
+            cells += [f(s["simple", m], None), f(s["kvoffload", m], s["simple", m])]
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    def mean(r: dict[str, Any], base: dict[str, Any] | None) -> str:
+        v = r["connector_step"]["mean_us"]
+        if base is None:
+            return us(v)
+        return f"**{us(v)}** ({ratio(base['connector_step']['mean_us'] / v)} less)"
+
+    def p50_99(r: dict[str, Any], base: dict[str, Any] | None) -> str:
+        c = r["connector_step"]
+        text = f"{sig(c['p50_us'])} / {sig(c['p99_us'])} µs"
+        if base is None:
+            return text
+        return f"{text} ({ratio(base['connector_step']['p50_us'] / c['p50_us'])} at p50)"
+
+    rows += [
+        row("connector, mean", mean),
+        row("connector, p50 / p99", p50_99),
+        row("share of the scheduler's step time", lambda r, _: pct(r["share"])),
+        row("per block moved (stored + loaded)", lambda r, _: us(r["us_per_block_moved"])),
+        row(
+            "blocks stored / loaded",
+            lambda r, _: f"{r['stored_blocks']:,} / {r['loaded_blocks']:,}",
+        ),
+        row("CPU-hit tokens", lambda r, _: f"{r['cpu_hit_tokens']:,}"),
+    ]
+    d = load_json("benchmarks/compare_scheduler.json")
+    t = d["trace"]
+    trace = (
+        f"The trace: {t['requests']:,} requests, each one of {t['systems']} shared "
+        f"{t['system_tokens']:,}-token system prompts plus {t['unique_tokens']} unique tokens, "
+        f"{t['output_tokens']} output tokens, Poisson arrivals ({t['arrival_rate']} per step), "
+        f"`max_num_seqs` {t['max_num_seqs']}, `max_num_batched_tokens` "
+        f"{t['max_num_batched_tokens']:,}, a GPU cache of {t['gpu_blocks']:,} blocks, a CPU pool "
+        f"of {t['cpu_blocks']:,} blocks."
+    )
+    best = (
+        f"Best of {n} runs per configuration (the run with the lowest connector mean):"
+        if n > 1
+        else "One run per configuration:"
+    )
+    diff = {
+        m: s["kvoffload", m]["cpu_hit_tokens"] / s["simple", m]["cpu_hit_tokens"] - 1 for m in modes
+    }
+    hits = ", ".join(f"{m} {100 * abs(diff[m]):.2f}%" for m in modes)
+    duty = (
+        "Both connectors reported stats at every step (vLLM asks after every step)."
+        if d.get("stats_every_step")
+        else "In this run kvoffload reported stats at most once a second while Simple's "
+        "stats call ran at every step (the benchmark now makes both report at every step)."
+    )
+    goals = []
+    for m in modes:
+        r = (
+            s["simple", m]["connector_step"]["mean_us"]
+            / s["kvoffload", m]["connector_step"]["mean_us"]
+        )
+        sh = s["kvoffload", m]["share"]
+        goals.append(
+            f"{m}: {ratio(r)} less ({met(r >= GOALS['scheduler_ratio'])}), "
+            f"{pct(sh)} ({met(sh < GOALS['scheduler_share'])})"
+        )
+    goal = (
+        f"Goals: {GOALS['scheduler_ratio']:g}x less connector time than Simple on the mean and "
+        f"under {pct(GOALS['scheduler_share'])} of the scheduler's step time — "
+        + "; ".join(goals)
+        + "."
+    )
+    return (
+        f"{trace} {best}\n\n"
+        + "\n".join(rows)
+        + f"\n\nCPU-hit tokens differ by {hits} between the connectors. {duty} {goal}\n"
+    )
+
+
+@region("scheduler-breakdown")
+def scheduler_breakdown() -> str:
+    r = _sched()["kvoffload", "eager"]
+    methods = sorted(r["methods"].items(), key=lambda kv: -kv[1]["total_ms"])
+    per_step = [(name, 1000 * m["total_ms"] / r["steps"]) for name, m in methods]
+    big = [f"`{name}` {us(v)}" for name, v in per_step if v >= 1.0]
+    rest = sum(v for _, v in per_step if v < 1.0)
+    return (
+        f"Per step, kvoffload eager, from the run above (total time of each method over "
+        f"{r['steps']:,} steps): {', '.join(big)}; the other methods together {us(rest)}.\n"
+    )
+
+
+@region("index")
+def index_table() -> str:
+    inter, grouped = _index(), _index("compare_index_grouped")
+    pi = load_json("benchmarks/compare_index.json")["params"]
+    pg = load_json("benchmarks/compare_index_grouped.json")["params"]
+    ops = [
+        ("insert", "store, free space"),
+        ("evict_insert", "store, pool full (evicts)"),
+        ("find", "find a prefix (vLLM: no pin)"),
+        ("find_pin", "find + pin a prefix"),
+        ("unpin", "unpin"),
+        ("find_miss", "find, first block missing"),
+        ("find_pin_repeat", "the same waiting request asks again"),
+    ]
+    rows = [
+        "| per call (128 blocks) | vLLM | kvoffload | ratio | kvoffload, grouped order |",
+        "|---|---|---|---|---|",
+    ]
+    for op, label in ops:
+        r, g = inter[op], grouped[op]
+        if r["kvoffload_us"] is None:
+            rows.append(f"| {label} | {us(r['vllm_us'])} | — | — | — |")
+            continue
+        rows.append(
+            f"| {label} | {us(r['vllm_us'])} | {us(r['kvoffload_us'])} | {ratio(r['ratio'])} "
+            f"| {us(g['kvoffload_us'])} ({ratio(g['ratio'])}) |"
+        )
+    ti = load_json("benchmarks/compare_index.json")["total_ms"]
+    tg = load_json("benchmarks/compare_index_grouped.json")["total_ms"]
+    rows.append(
+        f"| whole stream | {sig(ti['vllm'])} ms | {sig(ti['kvoffload'])} ms | "
+        f"**{ratio(ti['vllm'] / ti['kvoffload'])}** | {sig(tg['kvoffload'])} ms "
+        f"({ratio(tg['vllm'] / tg['kvoffload'])}) |"
+    )
+    head = (
+        f"Pool of {pi['blocks']:,} blocks; p50 per call, the best of {pi['repeat']} whole runs "
+        f"(grouped order: of {pg['repeat']}):"
+    )
+    hit, miss, fp = inter["get_hit"], inter["get_miss"], inter["find_pin"]
+    tail = (
+        f"vLLM's own per-key call (`get_cached_block`): {us(hit['vllm_us'])} hit, "
+        f"{us(miss['vllm_us'])} miss. Goals: find + pin {GOALS['index_ratio']:g}x faster than "
+        f"vLLM ({ratio(fp['ratio'])}: {met(fp['ratio'] >= GOALS['index_ratio'])}) and in "
+        f"at most {us(GOALS['find_pin_us'])} ({us(fp['kvoffload_us'])}: "
+        f"{met(fp['kvoffload_us'] <= GOALS['find_pin_us'])})."
+    )
+    return f"{head}\n\n" + "\n".join(rows) + f"\n\n{tail}\n"
+
+
+def _ix(case: str) -> str:
+    v, r = bench("index", case, "ns/op"), bench("index", case, "M ops/s")
+    return f"{ns(v)} ({sig(r)} M/s)"
+
+
+@region("rust-index")
+def rust_index() -> str:
+    small, big = "48505", "1048576"
+
+    def both(prefix: str, fmt: Callable[[str], str] = _ix) -> str:
+        return f"{fmt(f'{prefix}/{small}')} | {fmt(f'{prefix}/{big}')}"
+
+    def plain(case: str) -> str:
+        return ns(bench("index", case, "ns/op"))
+
+    rows = [
+        "| index (`--bench index`), median per operation | 48,505 blocks | 1 Mi blocks |",
+        "|---|---|---|",
+        f"| lookup hit, cold | {both('index/lookup/hit')} |",
+        f"| lookup hit, hot | {both('index/lookup/hit_hot')} |",
+        f"| lookup miss | {both('index/lookup/miss')} |",
+        "| 128-block prefix (`ready_prefix`), per block | "
+        f"{both('cache/ready_prefix/hit128', plain)} |",
+        f"| insert (fill an empty index) | {both('index/insert/fill', plain)} |",
+        f"| store into free space (reserve + publish) | "
+        f"{plain('cache/store/reserve_publish_free/4096')} | — |",
+        "| evict + insert (full pool: reserve + publish) | "
+        f"{both('cache/evict_insert/reserve_publish')} |",
+        f"| pin + unpin, one block | {both('cache/pin_unpin/block', plain)} |",
+        "| pin + unpin, a 128-block prefix, per block | "
+        f"{both('cache/pin_unpin/prefix128', plain)} |",
+        f"| LRU move-to-back | — | {plain('lru/touch/remove_insert/1048576')} |",
+    ]
+    small_hit = bench("index", f"index/lookup/hit/{small}", "M ops/s")
+    big_hit = bench("index", f"index/lookup/hit/{big}", "M ops/s")
+    goal = GOALS["lookups_m_per_s"]
+    return (
+        "\n".join(rows)
+        + f"\n\nGoal: {goal:g} M lookups/s per core — {met(small_hit >= goal)} at 48,505 blocks "
+        f"({sig(small_hit)} M/s), {met(big_hit >= goal)} at 1 Mi blocks ({sig(big_hit)} M/s, "
+        "cold).\n"
+    )
+
+
+@region("rust-planner")
+def rust_planner() -> str:
+    steps = [(n, bench("planner", f"planner/decode_step/{n}", "us/step")) for n in (64, 256, 1024)]
+    sizes = " / ".join(str(n) for n, _ in steps)
+    times = " / ".join(sig(v) for _, v in steps)
+    per = " / ".join(f"{1000 * v / n:.0f}" for n, v in steps)
+    rows = [
+        "| planner (`--bench planner`), 16-token blocks, eager, pool full | median |",
+        "|---|---|",
+        f"| one decode step, {sizes} running requests | {times} µs ({per} ns per request) |",
+        f"| per stored block: select + reserve (evicting) + hand out + complete, eager / lazy | "
+        f"{sig(bench('planner', 'planner/store/128', 'ns/block'))} / "
+        f"{sig(bench('planner', 'planner/store_lazy/128', 'ns/block'))} ns |",
+        f"| per loaded block: lookup + `on_alloc` + hand out + complete | "
+        f"{ns(bench('planner', 'planner/load/128', 'ns/block'))} |",
+        f"| a waiting request asks again (cached answer) | "
+        f"{ns(bench('planner', 'planner/lookup_repeat/128', 'ns/call'))} |",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+@region("rust-transfer")
+def rust_transfer() -> str:
+    def cell(kind: str, order: str, n: int, key: str) -> str:
+        case = f"transfer_{kind}/{order}/{n}"
+        if case not in bench_lines("transfer"):
+            return "—"
+        return ns(bench("transfer", case, key))
+
+    sizes = (1, 16, 256, 4096)
+    head = " | ".join(f"{n} block{'s' if n > 1 else ''}" for n in sizes)
+    rows = [
+        "| transfer (`--bench transfer`), host backend, 2 regions of 4 KiB blocks, per block "
+        f"| {head} |",
+        "|---|" + "---|" * len(sizes),
+    ]
+    for label, kind, order, key in (
+        (
+            "submit (what the worker's Python step pays), scattered ids",
+            "host",
+            "scattered",
+            "submit",
+        ),
+        ("submit, consecutive ids", "host", "consecutive", "submit"),
+        (
+            "round trip (submit → copied → completion seen), scattered ids",
+            "host",
+            "scattered",
+            "round trip",
+        ),
+        ("round trip, consecutive ids (coalesced)", "host", "consecutive", "round trip"),
+        (
+            "engine overhead only (a backend that copies nothing), round trip, scattered",
+            "overhead",
+            "scattered",
+            "round trip",
+        ),
+        ("engine overhead only, consecutive", "overhead", "consecutive", "round trip"),
+    ):
+        rows.append(f"| {label} | " + " | ".join(cell(kind, order, n, key) for n in sizes) + " |")
+    co = bench("transfer", "coalesce/consecutive/4096", "ns/pair")
+    cs = bench("transfer", "coalesce/scattered/4096", "ns/pair")
+    return (
+        "\n".join(rows)
+        + f"\n\nCoalescing alone: {ns(co)} per pair of consecutive ids, {ns(cs)} per pair of "
+        "scattered ones.\n"
+    )
+
+
+@region("e2e")
+def e2e_table() -> str:
+    d = load_json("benchmarks/e2e.json")
+    p = d["params"]
+    res = {r["config"]: r for r in d["results"]}
+    cfgs = [c for c in ("off", "eager", "lazy", "simple-eager", "simple-lazy") if c in res]
+    names = {
+        "off": "vLLM alone",
+        "eager": "+ kvoffload eager",
+        "lazy": "+ kvoffload lazy",
+        "simple-eager": "+ Simple eager",
+        "simple-lazy": "+ Simple lazy",
+    }
+    base = res["off"]
+    rows = ["| | " + " | ".join(names[c] for c in cfgs) + " |", "|---|" + "---|" * len(cfgs)]
+
+    def cells(f: Callable[[dict[str, Any]], str]) -> str:
+        return " | ".join(f(res[c]) for c in cfgs)
+
+    def vs(key: str, r: dict[str, Any], lower: bool) -> str:
+        if r is base:
+            return ""
+        if lower:
+            return f" ({ratio(base[key] / r[key])} lower)"
+        return f" ({ratio(r[key] / base[key])})"
+
+    rows += [
+        "| mean time to first token | "
+        + cells(lambda r: f"{r['ttft_mean_ms']:,.0f} ms{vs('ttft_mean_ms', r, True)}")
+        + " |",
+        "| time to first token, p50 / p90 | "
+        + cells(lambda r: f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p90_ms']:,.0f} ms")
+        + " |",
+        "| output tokens/s | "
+        + cells(lambda r: f"{r['output_tok_s']:,.1f}{vs('output_tok_s', r, False)}")
+        + " |",
+        "| wall time | " + cells(lambda r: f"{r['wall_s']:.1f} s") + " |",
+        "| prompt tokens from CPU / recomputed | "
+        + cells(lambda r: f"{r['cpu_hit_tokens']:,.0f} / {r['recomputed_tokens']:,.0f}")
+        + " |",
+        "| outputs token-identical to vLLM alone | "
+        + cells(lambda r: "—" if r is base else ("yes" if r["identical"] else "NO"))
+        + " |",
+    ]
+    n = p["repeat"]
+    how = (
+        "one run per configuration"
+        if n == 1
+        else f"{n} runs per configuration, alternating (TTFT over all requests of all runs, "
+        "median wall time)"
+    )
+    head = (
+        f"{d['model_description']}; {describe_workload(p)}; vLLM KV cache "
+        f"{p['kv_cache_mib']:g} MiB, "
+        f"CPU pool {p['cpu_mib']:g} MiB, `max_num_seqs` {p['concurrency']}. {how.capitalize()} "
+        f"({machine_line(d['machine'])}):"
+    )
+    return f"{head}\n\n" + "\n".join(rows) + "\n"
+
+
+def describe_workload(p: dict[str, Any]) -> str:
+    return (
+        f"{p['users']} users x {p['turns']} turns, {p['system_tokens']:,}-token system prompts + "
+        f"{p['question_tokens']}-token questions, {p['output_tokens']}-token answers"
+    )
+
+
+# ---- documents -----------------------------------------------------------------------------
+
+
+def render(text: str) -> str:
+    """``text`` with every generated region rewritten from the data."""
+
+    def sub(m: re.Match[str]) -> str:
+        name = m["name"]
+        if name not in REGIONS:
+            raise RenderError(f"unknown generated region {name!r}")
+        return m.group(1) + REGIONS[name]() + m.group(4)
+
+    return MARKER.sub(sub, text)
+
+
+def render_all(*, write: bool) -> list[str]:
+    """Renders every document; returns those whose text changed (written when ``write``)."""
+    load_json.cache_clear()
+    bench_lines.cache_clear()
+    changed = []
+    for rel in DOCUMENTS:
+        path = REPO / rel
+        old = path.read_text()
+        new = render(old)
+        if new != old:
+            changed.append(rel)
+            if write:
+                path.write_text(new)
+    return changed
+
+
+def plots() -> None:
+    from demo_report import plot
+    from plot_benchmarks import main as plot_benchmarks
+
+    plot(load_json("demo.json"), DOCS / "demo.png")
+    plot_benchmarks([])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
+    ap.add_argument(
+        "--plots", action="store_true", help="also redraw docs/demo.png, docs/benchmarks.png"
+    )
+    args = ap.parse_args()
+    changed = render_all(write=not args.check)
+    if args.plots and not args.check:
+        plots()
+    for rel in changed:
+        print(f"{'stale' if args.check else 'rewrote'}: {rel}")
+    return 1 if args.check and changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
