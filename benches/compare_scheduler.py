@@ -29,7 +29,7 @@ import random
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,14 @@ SCHEDULER_METHODS = (
     "get_kv_connector_stats",
 )
 
-CONNECTORS = {"simple": "SimpleCPUOffloadConnector", "kvoffload": "KVOffloadConnector"}
+#: Configurations: a connector name and, for kvoffload, its load mode. ``none`` is vLLM
+#: without a connector (the baseline for overhead and recomputation).
+CONNECTORS = {
+    "simple": "SimpleCPUOffloadConnector",
+    "kvoffload": "KVOffloadConnector",
+    "kvoffload-sync": "KVOffloadConnector",
+    "none": None,
+}
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,24 @@ class Trace:
 
 SMOKE = Trace(requests=40, systems=4, gpu_blocks=600, cpu_blocks=2000, arrival_rate=0.5)
 
+#: Trace shapes (``--trace``): the default long shared prompts; many short prefixes with a
+#: CPU pool too small for them (high churn: stores evict all the time); and prompts that
+#: never repeat (what offloading costs when it cannot help).
+TRACES = {
+    "shared": Trace(),
+    "churn": Trace(
+        requests=3000,
+        systems=400,
+        system_tokens=256,
+        unique_tokens=64,
+        output_tokens=32,
+        arrival_rate=0.5,
+        gpu_blocks=800,
+        cpu_blocks=3000,
+    ),
+    "noreuse": Trace(systems=0, system_tokens=0, unique_tokens=1024, output_tokens=64),
+}
+
 
 def arrivals(trace: Trace) -> list[tuple[int, int, list[int]]]:
     """``(arrival_step, system prompt index, unique tokens)`` per request, seeded."""
@@ -96,7 +121,7 @@ def arrivals(trace: Trace) -> list[tuple[int, int, list[int]]]:
     out = []
     for _ in range(trace.requests):
         t += rng.expovariate(trace.arrival_rate)
-        sys_idx = rng.randrange(trace.systems)
+        sys_idx = rng.randrange(trace.systems) if trace.systems else -1
         out.append((int(t), sys_idx, [rng.randrange(3, 1000) for _ in range(trace.unique_tokens)]))
     return out
 
@@ -105,7 +130,7 @@ def system_prompts(trace: Trace) -> list[list[int]]:
     rng = random.Random(trace.seed + 1)
     return [
         [rng.randrange(3, 1000) for _ in range(trace.system_tokens)] for _ in range(trace.systems)
-    ]
+    ] + [[]]  # index -1: no shared prefix
 
 
 # ---- vLLM objects ---------------------------------------------------------------------------
@@ -142,6 +167,8 @@ def build_scheduler(trace: Trace, model: Path, connector: str, lazy: bool) -> An
         # kvoffload would pick synchronous loads on vLLM's CPU backend, which changes
         # the schedule. Compare like with like, as on a GPU.
         extra["load_mode"] = "async"
+    elif connector == "kvoffload-sync":
+        extra["load_mode"] = "sync"
     return real_scheduler(
         model,
         kv_cache_config(trace.gpu_blocks, [(layers, spec)]),
@@ -179,6 +206,8 @@ class ConnectorTimer:
     per_method_ns: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     hit_tokens: int = 0
+    #: External (CPU) tokens accepted for each request since it was last scheduled.
+    admitted_ext: dict[str, int] = field(default_factory=dict)
     _depth: int = 0
 
     def install(self, conn: Any) -> None:
@@ -207,6 +236,12 @@ class ConnectorTimer:
                 if alloc:
                     n_ext = args[2] if len(args) > 2 else kwargs["num_external_tokens"]
                     self.hit_tokens += n_ext
+                    req = args[0] if args else kwargs["request"]
+                    # Async loads: vLLM allocates again (accepting 0 more) when the
+                    # loaded request is finally scheduled.
+                    self.admitted_ext[req.request_id] = (
+                        self.admitted_ext.get(req.request_id, 0) + n_ext
+                    )
 
         return timed
 
@@ -217,7 +252,7 @@ class ConnectorTimer:
 def worker_report(connector: str, meta: Any) -> tuple[set[str] | None, Any, int, int]:
     """What the connector's workers report one step after ``meta`` was issued:
     ``(finished_recving, worker metadata, stored blocks, loaded blocks)``."""
-    if meta is None:
+    if meta is None or connector == "none":
         return None, None, 0, 0
     if connector == "simple":
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
@@ -251,7 +286,8 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
     sched = build_scheduler(trace, model, connector, lazy)
     conn = sched.get_kv_connector()
     timer = ConnectorTimer()
-    timer.install(conn)
+    if conn is not None:
+        timer.install(conn)
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
@@ -263,6 +299,9 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
     step_conn: list[int] = []
     step_sched: list[int] = []
     stored = loaded = 0
+    # Prompt tokens: all of them, those each admission found in vLLM's GPU prefix cache,
+    # and those a forward pass computed (recomputed: including after a preemption).
+    prompt_tokens = gpu_hit_tokens = recomputed = 0
     prev_meta = None
     step = 0  # simulated time; advances by one per engine step or idle tick
     nxt = 0
@@ -274,10 +313,12 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
     while True:
         while nxt < len(todo) and todo[nxt][0] <= step:
             _, s, tail = todo[nxt]
+            prompt = systems[s] + tail
+            prompt_tokens += len(prompt)
             sched.add_request(
                 Request(
                     request_id=f"req-{nxt}",
-                    prompt_token_ids=systems[s] + tail,
+                    prompt_token_ids=prompt,
                     sampling_params=params,
                     pooling_params=None,
                     block_hasher=hasher,
@@ -295,6 +336,15 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
             continue
         so = sched.schedule()
         t2 = clock()
+        reqs = sched.requests
+        admitted = [r.req_id for r in so.scheduled_new_reqs]
+        admitted += list(getattr(so.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+        for r in admitted:
+            before = reqs[r].num_computed_tokens - so.num_scheduled_tokens[r]
+            gpu_hit_tokens += before - timer.admitted_ext.pop(r, 0)
+        for r, n in so.num_scheduled_tokens.items():
+            after = reqs[r].num_computed_tokens
+            recomputed += max(0, min(reqs[r].num_prompt_tokens, after) - (after - n))
         meta = so.kv_connector_metadata
         recving, wm, st, ld = worker_report(connector, prev_meta)
         stored += st
@@ -302,7 +352,6 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
         kv_out = KVConnectorOutput(finished_recving=recving, kv_connector_worker_meta=wm)
         req_ids = list(so.num_scheduled_tokens)
         if req_ids:
-            reqs = sched.requests
             out = ModelRunnerOutput(
                 req_ids=req_ids,
                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -349,6 +398,9 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
         "loaded_blocks": loaded,
         "us_per_block_moved": conn_total / 1e3 / moved if moved else None,
         "cpu_hit_tokens": timer.hit_tokens,
+        "prompt_tokens": prompt_tokens,
+        "gpu_hit_tokens": gpu_hit_tokens,
+        "recomputed_tokens": recomputed,
         "methods": {
             k: {"calls": timer.calls[k], "total_ms": v / 1e6}
             for k, v in sorted(timer.per_method_ns.items(), key=lambda kv: -kv[1])
@@ -365,7 +417,8 @@ def print_result(r: dict[str, Any]) -> None:
         f"µs/step, share {100 * r['share']:4.1f}%, {r['steps']} steps, "
         f"stored {r['stored_blocks']} / loaded {r['loaded_blocks']} blocks "
         f"({per_block if per_block is None else f'{per_block:.2f}'} µs per block moved), "
-        f"CPU-hit tokens {r['cpu_hit_tokens']:,}, {r['wall_s']:.0f} s"
+        f"CPU-hit tokens {r['cpu_hit_tokens']:,}, GPU-hit tokens {r['gpu_hit_tokens']:,}, "
+        f"recomputed {r['recomputed_tokens']:,} of {r['prompt_tokens']:,}, {r['wall_s']:.0f} s"
     )
     top = list(r["methods"].items())[:5]
     print(
@@ -375,9 +428,14 @@ def print_result(r: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=Trace.requests)
+    ap.add_argument("--trace", choices=sorted(TRACES), default="shared", help="trace shape")
+    ap.add_argument("--requests", type=int, help="requests in the trace (default: the shape's)")
     ap.add_argument("--modes", default="eager,lazy", help="comma list of eager,lazy")
-    ap.add_argument("--connectors", default="simple,kvoffload")
+    ap.add_argument(
+        "--connectors",
+        default="simple,kvoffload,kvoffload-sync",
+        help=f"comma list of {','.join(CONNECTORS)}",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="runs per configuration; best kept")
     ap.add_argument("--model", help="model directory (only config.json is read)")
@@ -386,7 +444,8 @@ def main() -> None:
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args()
 
-    trace = SMOKE if args.smoke else Trace(requests=args.requests, seed=args.seed)
+    trace = SMOKE if args.smoke else TRACES[args.trace]
+    trace = replace(trace, requests=args.requests or trace.requests, seed=args.seed)
     if args.smoke:
         args.repeat = 1
     model = model_dir(args.model)
@@ -426,28 +485,7 @@ def main() -> None:
         for r in results:
             print_result(r)
     print()
-    summary = {}
-    for mode in args.modes.split(","):
-        by = {r["connector"]: r for r in results if r["mode"] == mode}
-        if "simple" not in by or "kvoffload" not in by:
-            continue
-        s, k = by["simple"], by["kvoffload"]
-        rr = ratio(s["connector_step"]["mean_us"], k["connector_step"]["mean_us"])
-        rp50 = ratio(s["connector_step"]["p50_us"], k["connector_step"]["p50_us"])
-        summary[mode] = {
-            "ratio": rr,
-            "ratio_p50": rp50,
-            "simple_us": s["connector_step"]["mean_us"],
-            "kvoffload_us": k["connector_step"]["mean_us"],
-            "simple_hit_tokens": s["cpu_hit_tokens"],
-            "kvoffload_hit_tokens": k["cpu_hit_tokens"],
-        }
-        print(
-            f"{mode}: Simple {s['connector_step']['mean_us']:.1f} µs/step vs kvoffload "
-            f"{k['connector_step']['mean_us']:.1f} µs/step -> {rr:.1f}x less time "
-            f"(p50 {rp50:.1f}x; goal >= 10x); CPU-hit tokens {s['cpu_hit_tokens']:,} vs "
-            f"{k['cpu_hit_tokens']:,}"
-        )
+    summary, worse = compare(args.modes.split(","), results)
     write_json(
         args.json,
         {
@@ -459,6 +497,67 @@ def main() -> None:
             "summary": summary,
         },
     )
+    if worse:
+        for line in worse:
+            print(f"FAIL: {line}", file=sys.stderr)
+        sys.exit(1)
+
+
+def compare(modes: list[str], results: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """Per mode: Simple vs kvoffload time ratios, prompt tokens recomputed, and overhead
+    over vLLM without a connector. Returns the summary and every way kvoffload did worse
+    than Simple on recomputation (the figure that must never regress)."""
+    summary: dict[str, Any] = {}
+    worse: list[str] = []
+    for mode in modes:
+        by = {r["connector"]: r for r in results if r["mode"] == mode}
+        row: dict[str, Any] = {}
+        s, k, none = by.get("simple"), by.get("kvoffload"), by.get("none")
+        if s and k:
+            rr = ratio(s["connector_step"]["mean_us"], k["connector_step"]["mean_us"])
+            rp50 = ratio(s["connector_step"]["p50_us"], k["connector_step"]["p50_us"])
+            rp99 = ratio(s["connector_step"]["p99_us"], k["connector_step"]["p99_us"])
+            row |= {
+                "ratio": rr,
+                "ratio_p50": rp50,
+                "ratio_p99": rp99,
+                "simple_us": s["connector_step"]["mean_us"],
+                "kvoffload_us": k["connector_step"]["mean_us"],
+                "simple_hit_tokens": s["cpu_hit_tokens"],
+                "kvoffload_hit_tokens": k["cpu_hit_tokens"],
+            }
+            print(
+                f"{mode}: Simple {s['connector_step']['mean_us']:.1f} µs/step vs kvoffload "
+                f"{k['connector_step']['mean_us']:.1f} µs/step -> {rr:.1f}x less time "
+                f"(p50 {rp50:.1f}x, p99 {rp99:.1f}x; goal >= 10x); CPU-hit tokens "
+                f"{s['cpu_hit_tokens']:,} vs {k['cpu_hit_tokens']:,}"
+            )
+        if s:
+            for name in ("kvoffload", "kvoffload-sync"):
+                if name not in by:
+                    continue
+                mine, theirs = by[name]["recomputed_tokens"], s["recomputed_tokens"]
+                row[f"{name}_recomputed"] = mine
+                row["simple_recomputed"] = theirs
+                verdict = "ok" if mine <= theirs else "MORE than Simple"
+                print(
+                    f"{mode}: prompt tokens recomputed: {name} {mine:,} vs Simple {theirs:,} "
+                    f"({verdict})"
+                )
+                if mine > theirs:
+                    worse.append(
+                        f"{mode}: {name} recomputed {mine:,} prompt tokens, Simple {theirs:,}"
+                    )
+        if none and k:
+            base, mine = none["scheduler_step"]["mean_us"], k["scheduler_step"]["mean_us"]
+            row["overhead_vs_none"] = mine / base - 1 if base else None
+            print(
+                f"{mode}: scheduler µs/step: no connector {base:.1f}, kvoffload {mine:.1f} "
+                f"({100 * (mine / base - 1):+.1f}%; goal <= +2% when nothing repeats)"
+            )
+        if row:
+            summary[mode] = row
+    return summary, worse
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def build_scheduler(
     model: Path,
     kv_cfg: Any,
     *,
-    connector: str = KVOFFLOAD,
+    connector: str | None = KVOFFLOAD,
     module_path: str | None = KVOFFLOAD_MODULE,
     extra: dict[str, Any] | None = None,
     block_size: int = BLOCK_SIZE,
@@ -117,8 +117,9 @@ def build_scheduler(
     events: bool = False,
     max_loras: int = 0,
 ) -> Any:
-    """A real vLLM ``Scheduler`` with a KV connector, sized as the engine core sizes it
-    (``resolve_kv_cache_block_sizes``: the scheduler's block is ``block_size x dcp``)."""
+    """A real vLLM ``Scheduler`` with a KV connector (none when ``connector`` is None),
+    sized as the engine core sizes it (``resolve_kv_cache_block_sizes``: the scheduler's
+    block is ``block_size x dcp``)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -162,7 +163,9 @@ def build_scheduler(
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
+        kv_transfer_config=None
+        if connector is None
+        else KVTransferConfig(
             kv_connector=connector,
             kv_connector_module_path=module_path,
             kv_role="kv_both",

@@ -76,6 +76,7 @@ class Planner:
         lazy: bool = False,
         events: bool = False,
         sync_loads: bool = False,
+        stores_after_forward: bool = False,
     ) -> Planner: ...
     def lookup(
         self,
@@ -104,6 +105,7 @@ class Planner:
         lazy_gpu_block_ids: list[int] | None = None,
         lazy_block_hashes: list[bytes] | None = None,
         strip: int = 0,
+        num_scheduled_tokens: Mapping[str, int] | None = None,
     ) -> tuple[list[_LoadTuple], _StoreTuple | None, list[int]]:
         """Returns ``(loads, store, held_gpu_blocks)``: lazy mode's selected GPU blocks
         must be kept from reuse until ``complete`` releases them."""

@@ -45,6 +45,7 @@ class OffloadScheduler:
             lazy=config.lazy_offload,
             events=events,
             sync_loads=sync_loads,
+            stores_after_forward=stores_after_forward,
         )
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward
@@ -84,12 +85,17 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         after_forward = self._stores_after_forward
-        *lists, preempted = scheduled_lists(scheduler_output, after_forward=after_forward)
+        *lists, preempted, num_scheduled = scheduled_lists(scheduler_output)
         lazy_ids = lazy_hashes = None
         if self._lazy and self._walker is not None:
             lazy_ids, lazy_hashes = self._walker.candidates(self._lazy_limit)
         loads, store, held = self._planner.schedule(
-            *lists, self._hash_lists, lazy_ids, lazy_hashes, GROUP_ID_BYTES
+            *lists,
+            self._hash_lists,
+            lazy_ids,
+            lazy_hashes,
+            GROUP_ID_BYTES,
+            num_scheduled if after_forward else None,
         )
         if held and self._walker is not None:
             self._walker.hold(held)

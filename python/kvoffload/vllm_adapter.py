@@ -118,19 +118,13 @@ def bytes_per_block(kv_cache_config: Any) -> int:
 # ---- scheduler output -------------------------------------------------------------------
 
 
-def scheduled_lists(scheduler_output: Any, *, after_forward: bool = False) -> tuple[Any, ...]:
+def scheduled_lists(scheduler_output: Any) -> tuple[Any, ...]:
     """The per-step request lists the planner consumes, as
     ``(new_req_ids, new_num_computed, new_block_ids, cached_req_ids, cached_num_computed,
-    cached_new_block_ids, resumed_req_ids, preempted_req_ids)``.
+    cached_new_block_ids, resumed_req_ids, preempted_req_ids, num_scheduled_tokens)``.
 
     vLLM's own lists are passed through as they are (no per-request Python work for the
     running requests); only the few new requests of a step are unpacked.
-
-    ``after_forward``: the step's store runs after its forward pass (KV in host memory),
-    so the tokens that count as computed are those computed by the end of the step, and
-    new requests are listed a second time as running ones with no new block, which makes
-    the planner take their blocks in this step rather than from their second one: a
-    request can finish in its first step, and no step may follow to store it then.
     """
     new = scheduler_output.scheduled_new_reqs
     cached = scheduler_output.scheduled_cached_reqs
@@ -139,31 +133,16 @@ def scheduled_lists(scheduler_output: Any, *, after_forward: bool = False) -> tu
         flags = getattr(cached, "resumed_from_preemption", ())
         resumed = {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
     preempted = scheduler_output.preempted_req_ids
-    new_ids = [r.req_id for r in new]
-    new_computed = [r.num_computed_tokens for r in new]
-    cached_ids, cached_computed, cached_blocks = (
+    return (
+        [r.req_id for r in new],
+        [r.num_computed_tokens for r in new],
+        [r.block_ids for r in new],
         cached.req_ids,
         cached.num_computed_tokens,
         cached.new_block_ids,
-    )
-    if after_forward:
-        step = scheduler_output.num_scheduled_tokens
-        new_computed = [n + step.get(r, 0) for r, n in zip(new_ids, new_computed, strict=True)]
-        cached_ids = [*cached_ids, *new_ids]
-        cached_computed = [
-            *(n + step.get(r, 0) for r, n in zip(cached.req_ids, cached_computed, strict=True)),
-            *new_computed,
-        ]
-        cached_blocks = [*cached_blocks, *([None] * len(new_ids))]
-    return (
-        new_ids,
-        new_computed,
-        [r.block_ids for r in new],
-        cached_ids,
-        cached_computed,
-        cached_blocks,
         resumed,
         list(preempted) if preempted else [],
+        scheduler_output.num_scheduled_tokens,
     )
 
 

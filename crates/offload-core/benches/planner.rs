@@ -51,6 +51,7 @@ fn sched<'a>(
         req_id,
         kind,
         num_computed_tokens,
+        num_scheduled_tokens: 0,
         gpu_blocks: gpu_blocks.to_vec(),
         hashes,
     }
@@ -175,6 +176,7 @@ impl Decode {
                 req_id: r.id.as_str(),
                 kind: ScheduleKind::Running,
                 num_computed_tokens: r.computed,
+                num_scheduled_tokens: 0,
                 gpu_blocks,
                 hashes: r.hashes.as_slice(),
             });

@@ -452,6 +452,7 @@ impl Server {
                 req_id: r.id.as_str(),
                 kind,
                 num_computed_tokens: r.computed,
+                num_scheduled_tokens: 0,
                 gpu_blocks,
                 hashes: r.hashes.as_slice(),
             })

@@ -33,6 +33,7 @@
 //!     req_id: req,
 //!     kind: ScheduleKind::New,
 //!     num_computed_tokens: 0,
+//!     num_scheduled_tokens: 0,
 //!     gpu_blocks: gpu.to_vec(),
 //!     hashes: &prompt,
 //! };

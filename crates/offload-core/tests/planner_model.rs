@@ -350,6 +350,7 @@ impl Model {
                 req_id: self.reqs[s.req].id.as_str(),
                 kind: s.kind,
                 num_computed_tokens: s.computed,
+                num_scheduled_tokens: 0,
                 gpu_blocks: s.gpu,
                 hashes: self.reqs[s.req].hashes.as_slice(),
             })

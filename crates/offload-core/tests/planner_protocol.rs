@@ -8,7 +8,7 @@ mod common;
 
 use common::planner::{
     complete_on_every_rank, hashes, idle_step, key, new_req, pinned, planner, resumed, running,
-    step, store_keys, store_prompt, BS,
+    step, store_keys, store_prompt, Sched, BS,
 };
 use offload_core::{BlockHash, KvEvent, PlanError, Planner, PlannerConfig};
 
@@ -189,6 +189,25 @@ fn resumed_request_stores_from_its_new_block_table() {
     let rest = step(&mut p, [running("a", 48, &[], &h)]).store.unwrap();
     assert_eq!(rest.gpu_blocks, vec![6, 7]);
     assert_eq!(store_keys(&p, &rest), h[1..].to_vec());
+}
+
+fn with_scheduled(mut s: Sched<'_>, tokens: usize) -> Sched<'_> {
+    s.num_scheduled_tokens = tokens;
+    s
+}
+
+#[test]
+fn after_forward_stores_take_the_blocks_a_step_fills_first_step_included() {
+    let mut p = Planner::new(PlannerConfig::new(BS as u32, 16).with_stores_after_forward(true));
+    let h = hashes(1, 3);
+    // The prompt's 40 tokens are computed by this step's forward: 2 full blocks.
+    let store = step(&mut p, [with_scheduled(new_req("a", 0, &[0, 1, 2], &h), 40)])
+        .store
+        .unwrap();
+    assert_eq!(store.gpu_blocks, vec![0, 1]);
+    // Resumed into a new table, it stores what that step fills (already stored: none).
+    let plan = step(&mut p, [with_scheduled(resumed("a", 0, &[5, 6, 7], &h), 48)]);
+    assert_eq!(plan.store.unwrap().gpu_blocks, vec![7]);
 }
 
 #[test]

@@ -340,6 +340,7 @@ impl Harness {
                 req_id: id.as_str(),
                 kind: *kind,
                 num_computed_tokens: *computed,
+                num_scheduled_tokens: 0,
                 gpu_blocks: gpu.clone(),
                 hashes: reqs[id].hashes.as_slice(),
             });

@@ -48,7 +48,8 @@ fn hash_bytes<'py>(py: Python<'py>, h: BlockHash) -> Bound<'py, PyBytes> {
 impl PyPlanner {
     #[new]
     #[pyo3(signature = (
-        block_size, num_cpu_blocks, world_size = 1, lazy = false, events = false, sync_loads = false
+        block_size, num_cpu_blocks, world_size = 1, lazy = false, events = false,
+        sync_loads = false, stores_after_forward = false
     ))]
     fn new(
         block_size: i64,
@@ -57,6 +58,7 @@ impl PyPlanner {
         lazy: bool,
         events: bool,
         sync_loads: bool,
+        stores_after_forward: bool,
     ) -> PyResult<Self> {
         let pos = |v: i64, what: &str, min: u32| {
             u32::try_from(v)
@@ -71,7 +73,8 @@ impl PyPlanner {
         .with_world_size(pos(world_size, "world_size", 1)?)
         .with_lazy(lazy)
         .with_events(events)
-        .with_sync_loads(sync_loads);
+        .with_sync_loads(sync_loads)
+        .with_stores_after_forward(stores_after_forward);
         Ok(Self {
             inner: Planner::new(cfg),
         })
@@ -118,12 +121,14 @@ impl PyPlanner {
     /// `CachedRequestData` lists; `hash_lists` maps request ids to their
     /// `block_hashes`) and, in lazy mode, GPU blocks about to be evicted with their
     /// hashes (`strip`: trailing bytes to drop from each, vLLM's 4-byte group id).
-    /// Returns `(loads, store, held_gpu_blocks)` for the workers.
+    /// `num_scheduled_tokens` (`{request_id: tokens}`, vLLM's own dict) is read for
+    /// planners whose stores run after the forward pass. Returns
+    /// `(loads, store, held_gpu_blocks)` for the workers.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
         new_req_ids, new_num_computed, new_block_ids, cached_req_ids, cached_num_computed,
         cached_new_block_ids, resumed_req_ids, hash_lists, lazy_gpu_block_ids = None,
-        lazy_block_hashes = None, strip = 0
+        lazy_block_hashes = None, strip = 0, num_scheduled_tokens = None
     ))]
     fn schedule<'py>(
         &mut self,
@@ -139,6 +144,7 @@ impl PyPlanner {
         lazy_gpu_block_ids: Option<&Bound<'py, PyList>>,
         lazy_block_hashes: Option<&Bound<'py, PyList>>,
         strip: usize,
+        num_scheduled_tokens: Option<&Bound<'py, PyMapping>>,
     ) -> PyResult<StepTuple<'py>> {
         same_len(
             "new request lists",
@@ -161,15 +167,22 @@ impl PyPlanner {
         // allocation per request per step.
         let n = new_req_ids.len() + cached_req_ids.len();
         let mut names: Vec<Bound<'py, PyString>> = Vec::with_capacity(n);
-        let mut rows: Vec<(ScheduleKind, usize, Vec<u32>)> = Vec::with_capacity(n);
+        let mut rows: Vec<(ScheduleKind, usize, usize, Vec<u32>)> = Vec::with_capacity(n);
+        let scheduled_tokens = |name: &Bound<'py, PyString>| -> PyResult<usize> {
+            match num_scheduled_tokens {
+                Some(map) => count(map.get_item(name)?.extract()?, "num_scheduled_tokens"),
+                None => Ok(0),
+            }
+        };
         for i in 0..new_req_ids.len() {
-            names.push(req_id(new_req_ids.get_item(i)?)?);
+            let name = req_id(new_req_ids.get_item(i)?)?;
             let nct = count(
                 new_num_computed.get_item(i)?.extract()?,
                 "num_computed_tokens",
             )?;
             let ids = group0_ids(&new_block_ids.get_item(i)?)?;
-            rows.push((ScheduleKind::New, nct, ids));
+            rows.push((ScheduleKind::New, nct, scheduled_tokens(&name)?, ids));
+            names.push(name);
         }
         let any_resumed = resumed_req_ids.len().unwrap_or(0) > 0;
         for i in 0..cached_req_ids.len() {
@@ -184,17 +197,20 @@ impl PyPlanner {
             } else {
                 ScheduleKind::Running
             };
+            rows.push((kind, nct, scheduled_tokens(&name)?, ids));
             names.push(name);
-            rows.push((kind, nct, ids));
         }
         let ids: Vec<&str> = names.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
         let scheduled = rows.into_iter().zip(ids.iter().zip(&names)).map(
-            |((kind, num_computed_tokens, gpu_blocks), (req_id, name))| ScheduledRequest {
-                req_id,
-                kind,
-                num_computed_tokens,
-                gpu_blocks,
-                hashes: MappedHashes::new(hash_lists, name),
+            |((kind, num_computed_tokens, num_scheduled_tokens, gpu_blocks), (req_id, name))| {
+                ScheduledRequest {
+                    req_id,
+                    kind,
+                    num_computed_tokens,
+                    num_scheduled_tokens,
+                    gpu_blocks,
+                    hashes: MappedHashes::new(hash_lists, name),
+                }
             },
         );
         let plan = self.inner.schedule(scheduled, lazy).map_err(plan_err)?;

@@ -59,6 +59,7 @@ const GROUP: u32 = 0;
 ///     req_id: req,
 ///     kind,
 ///     num_computed_tokens: computed,
+///     num_scheduled_tokens: 0,
 ///     gpu_blocks: gpu.to_vec(),
 ///     hashes: &hashes,
 /// };
@@ -103,7 +104,8 @@ impl Planner {
             .with_world_size(cfg.world_size)
             .with_lazy(cfg.lazy)
             .with_events(cfg.events)
-            .with_sync_loads(cfg.sync_loads);
+            .with_sync_loads(cfg.sync_loads)
+            .with_stores_after_forward(cfg.stores_after_forward);
         Self {
             cache: BlockCache::new(cfg.num_cpu_blocks, cfg.events),
             cfg,
@@ -143,7 +145,9 @@ impl Planner {
     /// `num_computed_tokens` that is not on CPU or in flight is stored; a new or resumed
     /// request's computed tokens are its GPU prefix hit, which may name blocks another
     /// request computes in this very step (vLLM hashes blocks when it allocates them), so
-    /// they are confirmed from its next step on. In lazy mode, `lazy_candidates` (GPU
+    /// they are confirmed from its next step on. With
+    /// [`PlannerConfig::stores_after_forward`] the store runs after this step's forward
+    /// pass, so the blocks this step fills are confirmed already, first step included. In lazy mode, `lazy_candidates` (GPU
     /// blocks about to be evicted, least recently used first) are stored instead, and
     /// the plan's `held_gpu_blocks` says which ones the caller must keep.
     ///
@@ -163,9 +167,15 @@ impl Planner {
                 r.gpu_blocks.extend_from_slice(&s.gpu_blocks);
             } else {
                 r.gpu_blocks = s.gpu_blocks;
-                continue;
+                if !self.cfg.stores_after_forward {
+                    continue;
+                }
             }
-            let confirmed = s.num_computed_tokens / bs;
+            let confirmed = if self.cfg.stores_after_forward {
+                (s.num_computed_tokens + s.num_scheduled_tokens) / bs
+            } else {
+                s.num_computed_tokens / bs
+            };
             if self.cfg.lazy || confirmed <= r.stored_upto {
                 continue;
             }

@@ -33,6 +33,11 @@ pub struct PlannerConfig {
     /// pass), instead of the request waiting a step for an asynchronous load. Cheaper
     /// when KV lives in host memory (vLLM's CPU backend); GPUs overlap async loads.
     pub sync_loads: bool,
+    /// Each step's store runs after that step's forward pass and finishes within the step
+    /// (KV in host memory): blocks count as confirmed once the step's scheduled tokens
+    /// fill them, including a new request's first step. Otherwise stores read only what
+    /// earlier steps computed, and run while the next forward pass may.
+    pub stores_after_forward: bool,
 }
 
 impl PlannerConfig {
@@ -46,6 +51,7 @@ impl PlannerConfig {
             lazy: false,
             events: false,
             sync_loads: false,
+            stores_after_forward: false,
         }
     }
 
@@ -74,6 +80,13 @@ impl PlannerConfig {
     #[must_use]
     pub fn with_sync_loads(mut self, sync_loads: bool) -> Self {
         self.sync_loads = sync_loads;
+        self
+    }
+
+    /// Whether each step's store runs after its forward pass, within the step.
+    #[must_use]
+    pub fn with_stores_after_forward(mut self, after_forward: bool) -> Self {
+        self.stores_after_forward = after_forward;
         self
     }
 }
@@ -157,6 +170,9 @@ pub struct ScheduledRequest<'a, H> {
     /// Tokens computed before this step (their KV is in GPU memory by the time the
     /// step's forward pass ran).
     pub num_computed_tokens: usize,
+    /// Tokens this step computes (read only with
+    /// [`PlannerConfig::stores_after_forward`]).
+    pub num_scheduled_tokens: usize,
     /// GPU block ids: the whole table (new, resumed) or the blocks added (running).
     pub gpu_blocks: Vec<u32>,
     /// The request's block hashes.

@@ -98,6 +98,7 @@ fn sched<'a>(
         req_id: req,
         kind,
         num_computed_tokens: computed,
+        num_scheduled_tokens: 0,
         gpu_blocks: gpu.to_vec(),
         hashes,
     }
