@@ -249,14 +249,18 @@ class ConnectorTimer:
 # ---- emulated workers ----------------------------------------------------------------------
 
 
-def worker_report(connector: str, meta: Any) -> tuple[set[str] | None, Any, int, int]:
-    """What the connector's workers report one step after ``meta`` was issued:
-    ``(finished_recving, worker metadata, stored blocks, loaded blocks)``."""
-    if meta is None or connector == "none":
+def worker_report(connector: str, meta: Any, now: Any) -> tuple[set[str] | None, Any, int, int]:
+    """What the connector's workers report in the step of ``now``: the copies ``meta``
+    (the previous step's) asked for, and ``now``'s after-forward store (kvoffload with KV
+    in host memory finishes it within the step): ``(finished_recving, worker metadata,
+    stored blocks, loaded blocks)``."""
+    if connector == "none":
         return None, None, 0, 0
     if connector == "simple":
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
+        if meta is None:
+            return None, None, 0, 0
         recving = None
         if meta.load_event >= 0:
             recving = set(meta.load_event_to_reqs.get(meta.load_event, ()))
@@ -265,11 +269,13 @@ def worker_report(connector: str, meta: Any) -> tuple[set[str] | None, Any, int,
             wm = SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
         return recving, wm, len(meta.store_gpu_blocks), len(meta.load_gpu_blocks)
     from kvoffload.metadata import KVOffloadWorkerMetadata
-    from sched_harness import transfer_report
+    from sched_harness import after_forward_report, transfer_report
 
-    ids, ok, stored, loaded = transfer_report(meta)
+    ids, ok, stored, loaded = transfer_report(meta) if meta is not None else ([], [], 0, 0)
+    now_ids, now_stored = after_forward_report(now) if now is not None else ([], 0)
+    ids, ok = ids + now_ids, ok + [True] * len(now_ids)
     wm = KVOffloadWorkerMetadata(transfer_ids=ids, ok=ok) if ids else None
-    return None, wm, stored, loaded
+    return None, wm, stored + now_stored, loaded
 
 
 # ---- the replay ----------------------------------------------------------------------------------
@@ -340,13 +346,16 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
         admitted = [r.req_id for r in so.scheduled_new_reqs]
         admitted += list(getattr(so.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
         for r in admitted:
+            # A resumed request's cached blocks may run past its prompt (its output so
+            # far): only prompt tokens count, once per admission.
             before = reqs[r].num_computed_tokens - so.num_scheduled_tokens[r]
-            gpu_hit_tokens += before - timer.admitted_ext.pop(r, 0)
+            cached = min(before, reqs[r].num_prompt_tokens)
+            gpu_hit_tokens += max(0, cached - timer.admitted_ext.pop(r, 0))
         for r, n in so.num_scheduled_tokens.items():
             after = reqs[r].num_computed_tokens
             recomputed += max(0, min(reqs[r].num_prompt_tokens, after) - (after - n))
         meta = so.kv_connector_metadata
-        recving, wm, st, ld = worker_report(connector, prev_meta)
+        recving, wm, st, ld = worker_report(connector, prev_meta, meta)
         stored += st
         loaded += ld
         kv_out = KVConnectorOutput(finished_recving=recving, kv_connector_worker_meta=wm)

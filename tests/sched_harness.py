@@ -199,7 +199,8 @@ def block_ids(raw: bytes) -> list[int]:
 def transfer_report(meta: Any) -> tuple[list[int], list[bool], int, int]:
     """What kvoffload's workers report for the copies of ``meta`` once all are done:
     ``(transfer_ids, ok, stored blocks, loaded blocks)``; a load the planner marked
-    invalid is reported failed, as the worker does."""
+    invalid is reported failed, as the worker does. The after-forward store is not
+    included: workers report it within its own step (see ``after_forward_report``)."""
     ids = [load[0] for load in meta.loads]
     ok = [bool(load[4]) for load in meta.loads]
     loaded = sum(len(load[2]) // 4 for load in meta.loads)
@@ -209,6 +210,15 @@ def transfer_report(meta: Any) -> tuple[list[int], list[bool], int, int]:
         ok.append(True)
         stored = len(meta.store[1]) // 4
     return ids, ok, stored, loaded
+
+
+def after_forward_report(meta: Any) -> tuple[list[int], int]:
+    """The after-forward store of ``meta`` (KV in host memory), which workers finish and
+    report within the step: ``(transfer_ids, stored blocks)``."""
+    store = getattr(meta, "store_after_forward", None)
+    if store is None:
+        return [], 0
+    return [store[0]], len(store[1]) // 4
 
 
 # ---- the harness ----------------------------------------------------------------------------
