@@ -25,6 +25,12 @@ cargo test --workspace
 step "cargo test --release (offload-core)"
 cargo test -p offload-core --release
 
+step "embedded server example (every reloaded byte verified)"
+cargo run --release -q -p offload-core --example embedded_server
+
+step "cargo doc (no warnings)"
+RUSTDOCFLAGS="-D warnings" cargo doc -p offload-core --no-deps -q
+
 step "ruff"
 py_dirs=(python tests scripts)
 [[ -d benches ]] && py_dirs+=(benches)
