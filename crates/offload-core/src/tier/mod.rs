@@ -9,7 +9,8 @@
 //! Layers, bottom up:
 //! - [`RemoteStore`]: raw bytes by key, one round trip per call. [`RedisStore`] speaks to
 //!   Redis Cluster (or Valkey); another store (Mooncake, a file system) implements the
-//!   same trait and nothing above changes.
+//!   same trait and nothing above changes. [`MemoryStore`] is one in this process, for
+//!   tests without a server.
 //! - [`KeySpace`] and [`value`]: what a key and a value are for one engine rank
 //!   ([`KvLayout`] decides which blocks are interchangeable).
 //! - [`RemoteTier`]: block-level calls (probe a chain, fetch verified blocks, store).
@@ -24,6 +25,7 @@ mod blocks;
 mod checksum;
 pub mod config;
 mod key;
+mod memory;
 mod probe;
 mod redis;
 mod stats;
@@ -38,6 +40,7 @@ pub use key::{
     sharing_problem, KeySpace, KvLayout, LayoutFingerprint, RemoteKey, DEFAULT_NONE_HASH_SEED,
     MAX_HASH_BYTES,
 };
+pub use memory::MemoryStore;
 pub use probe::ProbeQueue;
 pub use redis::{redact_url, RedisStore};
 pub use stats::{TierSnapshot, TierStats};

@@ -176,3 +176,68 @@ impl Drop for ProbeQueue {
         self.shutdown();
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::tier::{KeySpace, LayoutFingerprint, MemoryStore};
+
+    fn hashes(n: u8) -> Vec<[u8; 32]> {
+        (1..=n).map(|i| [i; 32]).collect()
+    }
+
+    /// Polls until an answer comes; the store answers as soon as it is resumed.
+    fn answer(q: &ProbeQueue, req: &str, h: &[[u8; 32]]) -> usize {
+        let start = Instant::now();
+        loop {
+            if let Some(n) = q.poll(req, h) {
+                return n;
+            }
+            assert!(start.elapsed() < Duration::from_secs(30), "no answer");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn polls_answer_none_while_in_flight_and_ask_once_per_chain() {
+        let store = MemoryStore::default();
+        let keys = KeySpace::new("p", LayoutFingerprint(5)).unwrap();
+        let mut writer = RemoteTier::new(Box::new(store.clone()), keys.clone(), Arc::default());
+        writer
+            .store(&[
+                ([1u8; 32], vec![vec![0u8; 4]]),
+                ([2u8; 32], vec![vec![0u8; 4]]),
+            ])
+            .unwrap();
+        let before = store.calls();
+        let q = ProbeQueue::spawn(RemoteTier::new(
+            Box::new(store.clone()),
+            keys,
+            Arc::default(),
+        ))
+        .unwrap();
+        store.pause();
+        let h = hashes(4);
+        assert_eq!(q.poll("a", &h), None);
+        assert_eq!(q.poll("a", &h), None, "still in flight");
+        store.resume();
+        assert_eq!(answer(&q, "a", &h), 2);
+        assert_eq!(q.poll("a", &h), Some(2), "answered from the result");
+        assert_eq!(
+            store.calls() - before,
+            1,
+            "one round trip for every poll of the chain"
+        );
+
+        // Another chain for the same request is a new check.
+        assert_eq!(answer(&q, "a", &h[..1]), 1);
+        q.forget("a");
+        assert_eq!(answer(&q, "a", &h[..1]), 1);
+        assert_eq!(store.calls() - before, 3);
+        assert_eq!(q.poll("b", &[] as &[[u8; 32]]), Some(0));
+    }
+}

@@ -159,6 +159,10 @@ impl RedisStore {
                     broken = true;
                     Err(TierError::Timeout { op, timeout_ms })
                 }
+                Ok(Err(e)) if e.is_timeout() => {
+                    broken = true;
+                    Err(TierError::Timeout { op, timeout_ms })
+                }
                 Ok(Err(e)) => {
                     broken = true;
                     Err(TierError::Store {

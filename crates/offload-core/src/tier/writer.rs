@@ -210,3 +210,79 @@ fn run(mut tier: RemoteTier, rx: &Receiver<Item>, shared: &Shared) {
         finish(shared, n);
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::tier::{KeySpace, LayoutFingerprint, MemoryStore};
+
+    fn writer(store: &MemoryStore, max: u64) -> WriteBehind {
+        let keys = KeySpace::new("w", LayoutFingerprint(3)).unwrap();
+        let tier = RemoteTier::new(Box::new(store.clone()), keys, Arc::default());
+        WriteBehind::spawn(tier, max).unwrap()
+    }
+
+    /// Runs `f` on another thread; panics if it blocks (on the store, say).
+    fn returns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || tx.send(f()));
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("the call blocked")
+    }
+
+    #[test]
+    fn offers_never_wait_for_the_store_and_a_full_queue_drops() {
+        let store = MemoryStore::default();
+        store.pause();
+        let w = Arc::new(writer(&store, 300));
+        let offers = returns({
+            let w = Arc::clone(&w);
+            move || {
+                (0..5u8)
+                    .map(|i| w.offer(&[i; 8], vec![i; 100]))
+                    .collect::<Vec<_>>()
+            }
+        });
+        // The store holds every call, yet offers return: 300 bytes fit, the rest drop.
+        assert_eq!(offers, [true, true, true, false, false]);
+        assert_eq!(w.inflight_bytes(), 300);
+        let s = w.stats.snapshot();
+        assert_eq!(
+            (s.writes_queued, s.writes_dropped, s.writes_done),
+            (3, 2, 0)
+        );
+        assert!(!w.flush(Duration::from_millis(1)));
+        store.resume();
+        assert!(w.flush(Duration::from_secs(30)));
+        assert_eq!(w.inflight_bytes(), 0);
+        assert_eq!(w.stats.snapshot().writes_done, 3);
+        assert!(w.offer(&[9; 8], vec![9; 300]), "room again once written");
+        assert!(
+            !w.offer(&[9; 8], vec![9; 301]),
+            "a block over the bound never fits"
+        );
+    }
+
+    #[test]
+    fn queued_blocks_go_out_in_batches() {
+        let store = MemoryStore::default();
+        store.pause();
+        let mut w = writer(&store, 1 << 20);
+        for i in 0..20u8 {
+            assert!(w.offer(&[i; 8], vec![i; 64]));
+        }
+        store.resume();
+        assert!(w.flush(Duration::from_secs(30)));
+        // The thread took at most one block before the pause let go; the rest is one batch.
+        assert!(store.calls() <= 2, "{} round trips", store.calls());
+        assert_eq!(w.stats.snapshot().write_round_trips, store.calls());
+        w.shutdown(Duration::ZERO);
+        assert!(
+            !w.offer(&[0; 8], vec![0; 8]),
+            "a stopped writer takes nothing"
+        );
+    }
+}
