@@ -167,12 +167,12 @@ fn killed_master_costs_misses_within_the_deadline_then_failover_recovers() {
         .collect();
     assert_eq!(t.store(&blocks).unwrap(), 48);
     let masters = cluster.masters(via);
-    for (port, _, _) in &masters {
+    for m in &masters {
         // Every write reached a replica before the crash, so failover loses nothing.
         let _: i64 = redis::cmd("WAIT")
             .arg(1)
             .arg(5000)
-            .query(&mut cluster.node(*port))
+            .query(&mut cluster.node(m.port))
             .unwrap();
     }
     let owner: Vec<u16> = h
@@ -180,7 +180,11 @@ fn killed_master_costs_misses_within_the_deadline_then_failover_recovers() {
         .map(|h| cluster.master_of(via, t.keys().key(h).unwrap().as_str()))
         .collect();
     let victim = owner[0];
-    let survivor = masters.iter().map(|m| m.0).find(|&p| p != victim).unwrap();
+    let survivor = masters
+        .iter()
+        .map(|m| m.port)
+        .find(|&p| p != victim)
+        .unwrap();
     cluster.kill(victim);
 
     let mut t = no_hang(HANG, move || {
@@ -214,7 +218,7 @@ fn killed_master_costs_misses_within_the_deadline_then_failover_recovers() {
         std::thread::sleep(Duration::from_millis(200));
     });
     assert!(recovered.get_hits >= 48);
-    assert!(cluster.masters(survivor).iter().all(|m| m.0 != victim));
+    assert!(cluster.masters(survivor).iter().all(|m| m.port != victim));
 }
 
 #[test]
@@ -235,8 +239,8 @@ fn moved_and_ask_redirections_are_followed() {
         .collect();
     t.store(&blocks).unwrap();
     let masters = cluster.masters(via);
-    let (src, src_id) = (masters[0].0, masters[0].1.clone());
-    let (dst, dst_id) = (masters[1].0, masters[1].1.clone());
+    let (src, src_id) = (masters[0].port, masters[0].id.clone());
+    let (dst, dst_id) = (masters[1].port, masters[1].id.clone());
     let on_src: Vec<usize> = (0..h.len())
         .filter(|&i| cluster.master_of(via, &keys[i]) == src)
         .collect();
@@ -266,8 +270,8 @@ fn moved_and_ask_redirections_are_followed() {
     setslot(dst, slot_a, "IMPORTING", &src_id);
     setslot(src, slot_a, "MIGRATING", &dst_id);
     migrate(&keys[a]);
-    for (port, _, _) in &masters {
-        setslot(*port, slot_a, "NODE", &dst_id);
+    for m in &masters {
+        setslot(m.port, slot_a, "NODE", &dst_id);
     }
     // Slot of block b is mid-migration: its key already moved, the slot did not (ASK).
     setslot(dst, slot_b, "IMPORTING", &src_id);

@@ -21,6 +21,14 @@ static STARTING: Mutex<()> = Mutex::new(());
 /// Deadline of every call in the tests: generous for a loaded CI machine.
 pub const TIMEOUT: Duration = Duration::from_millis(1000);
 
+/// A master of a running cluster.
+pub struct Master {
+    pub port: u16,
+    pub id: String,
+    /// Inclusive slot ranges it serves.
+    pub slots: Vec<(u16, u16)>,
+}
+
 /// A running cluster, stopped when dropped.
 pub struct Cluster {
     dir: PathBuf,
@@ -77,8 +85,8 @@ impl Cluster {
             .expect("connect to a node")
     }
 
-    /// `(port, node id, slot ranges)` of every master that is up, read from `via`.
-    pub fn masters(&self, via: u16) -> Vec<(u16, String, Vec<(u16, u16)>)> {
+    /// Every master that is up, as `via` sees the cluster.
+    pub fn masters(&self, via: u16) -> Vec<Master> {
         let nodes: String = redis::cmd("CLUSTER")
             .arg("NODES")
             .query(&mut self.node(via))
@@ -104,7 +112,11 @@ impl Cluster {
                         }
                     })
                     .collect();
-                (port, f[0].to_string(), slots)
+                Master {
+                    port,
+                    id: f[0].to_string(),
+                    slots,
+                }
             })
             .collect()
     }
@@ -123,8 +135,8 @@ impl Cluster {
         let slot = self.slot(via, key);
         self.masters(via)
             .into_iter()
-            .find(|(_, _, ranges)| ranges.iter().any(|&(a, b)| (a..=b).contains(&slot)))
-            .map(|(p, _, _)| p)
+            .find(|m| m.slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))
+            .map(|m| m.port)
             .expect("a master serves the slot")
     }
 
