@@ -80,11 +80,15 @@ start() {
         ports+=("$p")
     done
     for p in "${ports[@]}"; do
-        for _ in $(seq 100); do
+        # Generous waits: a loaded CI machine can take seconds to start a server.
+        for _ in $(seq 400); do
             [[ "$(cli "$p" ping 2>/dev/null)" == "PONG" ]] && break
             sleep 0.05
         done
-        [[ "$(cli "$p" ping 2>/dev/null)" == "PONG" ]] || die "server on port $p did not start (see $DIR/$p.log)"
+        if [[ "$(cli "$p" ping 2>/dev/null)" != "PONG" ]]; then
+            tail -n 5 "$DIR/$p.log" >&2 || true
+            die "server on port $p did not start"
+        fi
     done
     local nodes=()
     for p in "${ports[@]}"; do nodes+=("127.0.0.1:$p"); done
@@ -92,11 +96,20 @@ start() {
         --cluster-replicas "$REPLICAS" --cluster-yes >"$DIR/create.log" 2>&1 \
         || die "cluster create failed (see $DIR/create.log)"
     for p in "${ports[@]}"; do
-        for _ in $(seq 200); do
+        for _ in $(seq 600); do
             cli "$p" cluster info 2>/dev/null | grep -q "cluster_state:ok" && break
             sleep 0.05
         done
         cli "$p" cluster info | grep -q "cluster_state:ok" || die "node $p never reached cluster_state:ok"
+    done
+    # Replicas must hold their master's data before anyone counts on a failover.
+    for p in "${ports[@]}"; do
+        cli "$p" info replication | grep -q "^role:slave" || continue
+        for _ in $(seq 600); do
+            cli "$p" info replication | grep -q "^master_link_status:up" && break
+            sleep 0.05
+        done
+        cli "$p" info replication | grep -q "^master_link_status:up" || die "replica $p never synced"
     done
     trap - EXIT
     local auth="" seeds=()

@@ -167,13 +167,9 @@ fn killed_master_costs_misses_within_the_deadline_then_failover_recovers() {
         .collect();
     assert_eq!(t.store(&blocks).unwrap(), 48);
     let masters = cluster.masters(via);
+    // Every write reached a replica before the crash, so failover loses nothing.
     for m in &masters {
-        // Every write reached a replica before the crash, so failover loses nothing.
-        let _: i64 = redis::cmd("WAIT")
-            .arg(1)
-            .arg(5000)
-            .query(&mut cluster.node(m.port))
-            .unwrap();
+        cluster.wait_replicated(m.port);
     }
     let owner: Vec<u16> = h
         .iter()
@@ -219,6 +215,46 @@ fn killed_master_costs_misses_within_the_deadline_then_failover_recovers() {
     });
     assert!(recovered.get_hits >= 48);
     assert!(cluster.masters(survivor).iter().all(|m| m.port != victim));
+}
+
+#[test]
+fn frozen_master_times_out_then_failover_recovers() {
+    let cluster = Cluster::start(1, None);
+    let seeds = cluster.seeds();
+    let via = Cluster::port(&seeds[0]);
+    let h = hashes(8, 48);
+    let mut t = tier(&seeds, "freeze", &layout(0));
+    let blocks: Vec<_> = h
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (*h, vec![block(i, BLOCK)]))
+        .collect();
+    assert_eq!(t.store(&blocks).unwrap(), 48);
+    for m in cluster.masters(via) {
+        cluster.wait_replicated(m.port);
+    }
+    let victim = cluster.master_of(via, t.keys().key(&h[0]).unwrap().as_str());
+    cluster.freeze(victim);
+    let stats = no_hang(HANG, move || {
+        let first = t.fetch(&h, BLOCK).unwrap();
+        assert!(first[0].is_none(), "a frozen master answers nothing");
+        assert!(t.stats().snapshot().timeouts > 0);
+        loop {
+            let got = t.fetch(&h, BLOCK).unwrap();
+            for (i, b) in got.iter().enumerate() {
+                if let Some(b) = b {
+                    assert_eq!(b.payload(), block(i, BLOCK), "never wrong bytes");
+                }
+            }
+            if got.iter().all(Option::is_some) {
+                break t.stats().snapshot();
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    assert!(stats.get_hits >= 48);
+    // A frozen process ignores SIGTERM until it runs again; the fixture's stop must not wait.
+    cluster.kill(victim);
 }
 
 #[test]

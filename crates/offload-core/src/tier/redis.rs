@@ -78,8 +78,11 @@ impl RedisStore {
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
         let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        // A node that accepts connections but never answers (a hung machine) must not eat
+        // the whole deadline of the reconnection that follows a failure: connecting gives up
+        // on such a node early, and the rest of the cluster is still reached in time.
         let client = ClusterClientBuilder::new(infos)
-            .connection_timeout(timeout)
+            .connection_timeout((timeout / 4).max(Duration::from_millis(1)))
             .response_timeout(timeout)
             .retries(RETRIES)
             .min_retry_wait(1)
@@ -102,22 +105,22 @@ impl RedisStore {
             seeds: shown,
             secrets,
         };
-        store.connection()?;
+        store.connection(Instant::now() + timeout)?;
         Ok(store)
     }
 
-    fn connection(&mut self) -> Result<ClusterConnection, TierError> {
+    /// The connection, made first if there is none, by `deadline`.
+    fn connection(&mut self, deadline: Instant) -> Result<ClusterConnection, TierError> {
         if let Some(c) = &self.conn {
             return Ok(c.clone());
         }
-        let limit = self.timeout;
         let client = &self.client;
         let conn = self
             .runtime
-            .block_on(async { timeout(limit, client.get_async_connection()).await })
+            .block_on(async { timeout_at(deadline, client.get_async_connection()).await })
             .map_err(|_| TierError::Timeout {
                 op: "connect",
-                timeout_ms: millis(limit),
+                timeout_ms: millis(self.timeout),
             })?
             .map_err(|e| TierError::Connect {
                 url: self.seeds.clone(),
@@ -137,11 +140,12 @@ impl RedisStore {
         if cmds.is_empty() {
             return Vec::new();
         }
-        let conn = match self.connection() {
+        // One deadline for the whole call, reconnecting included.
+        let deadline = Instant::now() + self.timeout;
+        let conn = match self.connection(deadline) {
             Ok(c) => c,
             Err(e) => return cmds.iter().map(|_| Err(e.clone())).collect(),
         };
-        let deadline = Instant::now() + self.timeout;
         let answers = self
             .runtime
             .block_on(futures_util::future::join_all(cmds.into_iter().map(

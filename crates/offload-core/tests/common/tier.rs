@@ -121,6 +121,16 @@ impl Cluster {
             .collect()
     }
 
+    /// Waits until every write the master on `port` took reached a replica.
+    pub fn wait_replicated(&self, port: u16) {
+        let acked: i64 = redis::cmd("WAIT")
+            .arg(1)
+            .arg(10_000)
+            .query(&mut self.node(port))
+            .expect("WAIT");
+        assert!(acked >= 1, "no replica of {port} acknowledged the writes");
+    }
+
     /// The slot of `key`.
     pub fn slot(&self, via: u16, key: &str) -> u16 {
         redis::cmd("CLUSTER")
@@ -142,9 +152,19 @@ impl Cluster {
 
     /// Kills the server on `port` at once (SIGKILL), like a crashed machine.
     pub fn kill(&self, port: u16) {
+        self.signal(port, "-KILL");
+    }
+
+    /// Stops the server on `port` without closing its sockets (SIGSTOP), like a machine
+    /// that hangs or drops off the network: connections stay open and nothing answers.
+    pub fn freeze(&self, port: u16) {
+        self.signal(port, "-STOP");
+    }
+
+    fn signal(&self, port: u16, signal: &str) {
         let pid = std::fs::read_to_string(self.dir.join(format!("{port}.pid"))).expect("pid");
         let ok = Command::new("kill")
-            .args(["-KILL", pid.trim()])
+            .args([signal, pid.trim()])
             .status()
             .expect("kill");
         assert!(ok.success());
