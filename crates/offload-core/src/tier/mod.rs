@@ -20,6 +20,15 @@
 //!   blocking, so the scheduler answers "ask again next step" while one is in flight.
 //!
 //! An absent `remote_url` means no tier: nothing here is constructed and nothing runs.
+//!
+//! # Operating the store
+//! The tier never deletes: the store bounds itself. Give every Redis node a `maxmemory`
+//! and `maxmemory-policy allkeys-lru` (`scripts/redis_cluster.sh` does), so the least
+//! recently used blocks go first when it fills; a key expiry (`EXPIRE`, or Redis's
+//! `volatile-*` policies) is not needed for correctness, since a stale block is only ever
+//! a block nobody asks for. Size it as bytes per block (the block's KV bytes plus a
+//! header of 40 bytes and its hash) times the distinct prefixes worth sharing; every
+//! tensor-parallel rank stores its own shard under its own fingerprint.
 
 mod blocks;
 mod checksum;

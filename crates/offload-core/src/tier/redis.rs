@@ -4,9 +4,15 @@
 //! a call waits for its answer. Each call sends one command per key at once; the client
 //! writes them back to back on one connection per node (pipelined, one round trip) and
 //! follows MOVED and ASK redirections itself. A deadline covers each call whole
-//! (retries, redirections and reconnections included): a key not answered by then is a
-//! failed key, and the connection is rebuilt before the next call, so a master killed or
-//! failed over mid-run costs misses, never a hang or a stale route.
+//! (reconnecting, retries and redirections included): a key not answered by then is a
+//! failed key, and the connection is rebuilt by the next call. The client alone would keep
+//! routing to a master that hangs (it refreshes its slot map on errors, not on timeouts),
+//! so without the rebuild a failover behind a hung master would never be seen; a killed,
+//! frozen or failed-over master costs misses, never a hang or a stale route.
+//!
+//! Calls block the calling thread (never a tokio runtime's: the client's own runtime would
+//! refuse to start inside another); [`WriteBehind`](super::WriteBehind) and
+//! [`ProbeQueue`](super::ProbeQueue) make them on threads of their own.
 
 use std::fmt;
 use std::time::Duration;
@@ -15,7 +21,7 @@ use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
 use tokio::runtime::Runtime;
-use tokio::time::{timeout, timeout_at, Instant};
+use tokio::time::{timeout_at, Instant};
 
 use super::{RemoteKey, RemoteStore, TierError};
 
