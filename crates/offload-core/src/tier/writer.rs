@@ -37,7 +37,7 @@ struct Shared {
 /// The write-behind queue of one worker.
 ///
 /// # Examples
-/// Blocks are offered after they reached CPU memory; the call copies nothing and never
+/// Blocks are offered after they reached CPU memory; the call takes the bytes, never
 /// blocks, and a full queue drops the block (the CPU tier still has it):
 /// ```no_run
 /// # fn demo(tier: offload_core::tier::RemoteTier, block: Vec<u8>) -> std::io::Result<()> {
