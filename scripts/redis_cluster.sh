@@ -11,7 +11,8 @@
 #      REDIS_CLUSTER_NODE_TIMEOUT_MS (2000; how soon a dead master fails over),
 #      REDIS_CLUSTER_MAXMEMORY (256mb, evicting allkeys-lru: the tier is a cache).
 # Uses Debian's redis-server and redis-cli (scripts/setup.sh installs them). Ports are picked
-# free (the cluster bus needs port+10000 free too). A failed start stops what it started.
+# free below the ephemeral range (the cluster bus needs port+10000 free too). A failed start
+# stops what it started.
 set -euo pipefail
 
 MASTERS="${REDIS_CLUSTER_MASTERS:-3}"
@@ -24,10 +25,17 @@ die() { echo "redis_cluster.sh: $*" >&2; exit 1; }
 
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# Both a node's port and its bus port (port+10000) stay below the kernel's ephemeral range:
+# a port there may be held by an outgoing connection, which no connect test sees but which
+# makes the server's bind fail.
+EPHEMERAL_LOW="$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)"
+PORT_SPAN=$((EPHEMERAL_LOW - 20000))
+((PORT_SPAN >= 1000)) || die "ephemeral ports start at $EPHEMERAL_LOW; need room below for ports and bus ports"
+
 free_port() {
     local p
     for _ in $(seq 200); do
-        p=$((20000 + RANDOM % 20000))
+        p=$((10000 + RANDOM % PORT_SPAN))
         if ! port_busy "$p" && ! port_busy $((p + 10000)) && [[ ! -e "$DIR/$p.pid" ]]; then
             echo "$p"
             return 0
