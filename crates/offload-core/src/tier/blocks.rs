@@ -24,6 +24,18 @@ impl FetchedBlock {
     }
 }
 
+/// A store must answer every key; one that does not is broken, and nothing it said is
+/// matched to a key.
+fn check_count(op: &'static str, answers: usize, keys: usize) -> Result<(), TierError> {
+    if answers == keys {
+        return Ok(());
+    }
+    Err(TierError::Store {
+        op,
+        reason: format!("{answers} answers for {keys} keys"),
+    })
+}
+
 /// One engine rank's view of the remote tier.
 pub struct RemoteTier {
     store: Box<dyn RemoteStore>,
@@ -67,7 +79,7 @@ impl RemoteTier {
 
     /// How many leading blocks of the chain `hashes` the store holds, asked in one round
     /// trip. A key whose check failed ends the run like a missing one (its failure is
-    /// counted); an error means a hash no key takes.
+    /// counted); an error means a hash no key takes, or a store that skipped keys.
     pub fn probe_chain<H: AsRef<[u8]>>(&mut self, hashes: &[H]) -> Result<usize, TierError> {
         if hashes.is_empty() {
             return Ok(0);
@@ -75,6 +87,7 @@ impl RemoteTier {
         let keys = self.keys_of(hashes)?;
         let answers = self.store.exists(&keys);
         bump(&self.stats.probe_round_trips, 1);
+        check_count("exists", answers.len(), keys.len())?;
         bump(&self.stats.probe_keys, keys.len() as u64);
         let mut run = 0;
         let mut first = true;
@@ -95,7 +108,8 @@ impl RemoteTier {
 
     /// Fetches the blocks `hashes` in one round trip and verifies each against this
     /// layout, its hash and `block_bytes`. A missing, failed or rejected block is `None`
-    /// (a rejected one is counted and logged, never returned).
+    /// (a rejected one is counted and logged, never returned). Errors as for
+    /// [`Self::probe_chain`].
     pub fn fetch<H: AsRef<[u8]>>(
         &mut self,
         hashes: &[H],
@@ -107,6 +121,7 @@ impl RemoteTier {
         let keys = self.keys_of(hashes)?;
         let answers = self.store.get(&keys);
         bump(&self.stats.get_round_trips, 1);
+        check_count("get", answers.len(), keys.len())?;
         let fp = self.keys.fingerprint();
         let mut out = Vec::with_capacity(answers.len());
         let mut first = true;
@@ -141,7 +156,8 @@ impl RemoteTier {
     }
 
     /// Writes blocks in one round trip; returns how many were written. Each block is its
-    /// hash and its bytes in parts (one slice per layer region, concatenated).
+    /// hash and its bytes in parts (one slice per layer region, concatenated). Errors as
+    /// for [`Self::probe_chain`].
     pub fn store<H: AsRef<[u8]>, P: AsRef<[u8]>>(
         &mut self,
         blocks: &[(H, Vec<P>)],
@@ -160,6 +176,7 @@ impl RemoteTier {
         }
         let answers = self.store.put(&entries);
         bump(&self.stats.write_round_trips, 1);
+        check_count("put", answers.len(), entries.len())?;
         let mut written = 0;
         let mut first = true;
         for (answer, size) in answers.iter().zip(sizes) {
@@ -187,5 +204,42 @@ impl RemoteTier {
         if std::mem::take(first) {
             log::warn!("kvoffload: remote tier {}: {e}", self.store.describe());
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::tier::LayoutFingerprint;
+
+    /// Answers one key fewer than asked.
+    struct ShortStore;
+
+    impl RemoteStore for ShortStore {
+        fn exists(&mut self, keys: &[RemoteKey]) -> Vec<Result<bool, TierError>> {
+            keys.iter().skip(1).map(|_| Ok(true)).collect()
+        }
+        fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
+            keys.iter().skip(1).map(|_| Ok(None)).collect()
+        }
+        fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>> {
+            entries.iter().skip(1).map(|_| Ok(())).collect()
+        }
+        fn describe(&self) -> String {
+            "short".into()
+        }
+    }
+
+    #[test]
+    fn a_store_that_skips_keys_is_an_error_not_a_shifted_answer() {
+        let keys = KeySpace::new("s", LayoutFingerprint(1)).unwrap();
+        let mut t = RemoteTier::new(Box::new(ShortStore), keys, Arc::default());
+        let h = [[1u8; 32], [2u8; 32]];
+        assert!(t.probe_chain(&h).is_err());
+        assert!(t.fetch(&h, 8).is_err());
+        assert!(t
+            .store(&[(h[0], vec![vec![0u8; 8]]), (h[1], vec![vec![0u8; 8]])])
+            .is_err());
     }
 }
