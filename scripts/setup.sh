@@ -61,7 +61,18 @@ log "installing dev tools from requirements/dev.txt"
 "$VENV/bin/python" -c "import transformers, tokenizers, matplotlib, pytest" \
     || { echo "[setup] error: transformers/tokenizers/matplotlib/pytest not importable" >&2; exit 1; }
 
-# --- 4. Rust extension -----------------------------------------------------------------------
+# --- 4. Redis (the remote tier's tests start a Redis Cluster on loopback) ------------------
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    if [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null; then
+        log "installing redis-server (apt-get)"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    else
+        log "warning: redis-server missing and not root with apt-get; remote tier tests will fail"
+    fi
+fi
+
+# --- 5. Rust extension -----------------------------------------------------------------------
 # Installs kvoffload (release build of the extension, its metadata and the vllm.general_plugins
 # entry point) into the venv; Python sources stay editable under python/.
 if [[ "${KVOFFLOAD_SKIP_BUILD:-0}" != "1" ]]; then

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::error::ConfigError;
+use crate::tier::RemoteConfig;
 
 /// Key: total CPU bytes for offloaded KV across all ranks.
 pub const KEY_CPU_BYTES: &str = "cpu_bytes_to_use";
@@ -103,6 +104,8 @@ pub struct OffloadConfig {
     pub faults: Option<String>,
     /// Number of ranks that must report a store before its blocks are published.
     pub world_size: u32,
+    /// The remote tier, `None` without `remote_url`.
+    pub remote: Option<RemoteConfig>,
 }
 
 /// The result of parsing: the config plus warnings the caller should log.
@@ -162,6 +165,7 @@ impl OffloadConfig {
                 })
             }
         };
+        let remote = RemoteConfig::from_map(map, &mut warnings)?;
         let cpu_bytes_per_rank = match (per_rank, total) {
             (Some(p), Some(t)) => {
                 let split = t / u64::from(world_size);
@@ -184,7 +188,10 @@ impl OffloadConfig {
                 KEY_LAZY,
                 KEY_LOAD_MODE,
             ];
-            if !known.contains(&key.as_str()) && !key.starts_with("kvoffload.") {
+            if !known.contains(&key.as_str())
+                && !crate::tier::config::REMOTE_KEYS.contains(&key.as_str())
+                && !key.starts_with("kvoffload.")
+            {
                 warnings.push(format!("unknown kvoffload config key `{key}` is ignored"));
             }
         }
@@ -198,6 +205,7 @@ impl OffloadConfig {
                 load_mode,
                 faults,
                 world_size,
+                remote,
             },
             warnings,
         })
@@ -233,7 +241,7 @@ fn split_total(total: u64, world_size: u32) -> Result<u64, ConfigError> {
     Ok(per_rank)
 }
 
-fn parse_bytes(key: &str, value: &ConfigValue) -> Result<u64, ConfigError> {
+pub(crate) fn parse_bytes(key: &str, value: &ConfigValue) -> Result<u64, ConfigError> {
     let invalid = |reason| ConfigError::InvalidValue {
         key: key.to_string(),
         value: value.to_string(),
@@ -290,7 +298,7 @@ fn parse_load_mode(value: &ConfigValue) -> Result<LoadMode, ConfigError> {
     }
 }
 
-fn parse_bool(key: &str, value: &ConfigValue) -> Result<bool, ConfigError> {
+pub(crate) fn parse_bool(key: &str, value: &ConfigValue) -> Result<bool, ConfigError> {
     match value {
         ConfigValue::Bool(b) => Ok(*b),
         ConfigValue::Str(s) => match s.trim().to_ascii_lowercase().as_str() {

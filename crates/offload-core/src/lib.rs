@@ -73,6 +73,7 @@ pub mod key;
 pub mod memory;
 pub mod planner;
 pub mod pool;
+pub mod tier;
 pub mod transfer;
 
 pub use cache::BlockCache;

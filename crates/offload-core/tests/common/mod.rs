@@ -4,4 +4,5 @@
 
 pub mod planner;
 pub mod rng;
+pub mod tier;
 pub mod transfer;

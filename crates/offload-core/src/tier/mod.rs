@@ -1,0 +1,131 @@
+//! A second tier behind the CPU tier: blocks shared between engines through a remote
+//! store, so one replica serves a prefix another replica computed.
+//!
+//! The store is a cache, never a source of truth. Every value carries a header (format,
+//! layout fingerprint, block hash, length) and a checksum; a value that fails any check is
+//! a miss, counted and logged, and the block is recomputed. Every call has a deadline, so
+//! a dead or stalled store costs a miss, never a hang.
+//!
+//! Layers, bottom up:
+//! - [`RemoteStore`]: raw bytes by key, one round trip per call. [`RedisStore`] speaks to
+//!   Redis Cluster (or Valkey); another store (Mooncake, a file system) implements the
+//!   same trait and nothing above changes. [`MemoryStore`] is one in this process, for
+//!   tests without a server.
+//! - [`KeySpace`] and [`value`]: what a key and a value are for one engine rank
+//!   ([`KvLayout`] decides which blocks are interchangeable).
+//! - [`RemoteTier`]: block-level calls (probe a chain, fetch verified blocks, store).
+//! - [`WriteBehind`] (worker side): writes blocks from a byte-bounded queue on its own
+//!   thread, in batches, dropping and counting what does not fit.
+//! - [`ProbeQueue`] (scheduler side): existence checks on their own thread, polled without
+//!   blocking, so the scheduler answers "ask again next step" while one is in flight.
+//!
+//! An absent `remote_url` means no tier: nothing here is constructed and nothing runs.
+//!
+//! # Operating the store
+//! The tier never deletes: the store bounds itself. Give every Redis node a `maxmemory`
+//! and `maxmemory-policy allkeys-lru` (`scripts/redis_cluster.sh` does), so the least
+//! recently used blocks go first when it fills; a key expiry (`EXPIRE`, or Redis's
+//! `volatile-*` policies) is not needed for correctness, since a stale block is only ever
+//! a block nobody asks for. Size it as bytes per block (the block's KV bytes plus a
+//! header of 40 bytes and its hash) times the distinct prefixes worth sharing; every
+//! tensor-parallel rank stores its own shard under its own fingerprint.
+
+mod blocks;
+mod checksum;
+pub mod config;
+mod key;
+mod memory;
+mod probe;
+mod redis;
+mod stats;
+pub mod value;
+mod writer;
+
+use thiserror::Error;
+
+pub use blocks::{FetchedBlock, RemoteTier};
+pub use config::RemoteConfig;
+pub use key::{
+    sharing_problem, KeySpace, KvLayout, LayoutFingerprint, RemoteKey, DEFAULT_NONE_HASH_SEED,
+    MAX_HASH_BYTES,
+};
+pub use memory::MemoryStore;
+pub use probe::ProbeQueue;
+pub use redis::{redact_url, RedisStore};
+pub use stats::{TierSnapshot, TierStats};
+pub use value::ValueError;
+pub use writer::WriteBehind;
+
+/// A key/value store the tier keeps blocks in.
+///
+/// Each call is one batch: implementations send all of it before waiting for any answer
+/// (one round trip, not one per key) and give up at a deadline. Results come per key, in
+/// the order of the keys, so a failure on one shard does not hide what the others
+/// answered.
+pub trait RemoteStore: Send {
+    /// Whether each key exists.
+    fn exists(&mut self, keys: &[RemoteKey]) -> Vec<Result<bool, TierError>>;
+
+    /// Each key's value, `None` where there is none.
+    fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>>;
+
+    /// Writes each value under its key, replacing what was there.
+    fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>>;
+
+    /// The store for logs (addresses without credentials).
+    fn describe(&self) -> String;
+}
+
+/// A remote tier operation that failed.
+///
+/// Messages name URLs with their passwords masked.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum TierError {
+    /// A namespace that cannot prefix keys.
+    #[error("remote tier namespace {namespace:?}: {reason}")]
+    BadNamespace {
+        /// The namespace given.
+        namespace: String,
+        /// Why it is rejected.
+        reason: &'static str,
+    },
+    /// A block hash of a length keys do not take.
+    #[error("block hash of {len} bytes: keys take 1 to {MAX_HASH_BYTES} bytes")]
+    BadHash {
+        /// Its length.
+        len: usize,
+    },
+    /// A store URL that cannot be used.
+    #[error("remote store URL {url}: {reason}")]
+    BadUrl {
+        /// The URL, password masked.
+        url: String,
+        /// Why it is rejected.
+        reason: String,
+    },
+    /// The store could not be reached or refused the credentials.
+    #[error("cannot connect to remote store {url}: {reason}")]
+    Connect {
+        /// The seed URLs, passwords masked.
+        url: String,
+        /// What the store or the network said.
+        reason: String,
+    },
+    /// A call missed its deadline.
+    #[error("remote store {op} missed its {timeout_ms} ms deadline")]
+    Timeout {
+        /// The operation (`exists`, `get`, `put`, `connect`).
+        op: &'static str,
+        /// The deadline.
+        timeout_ms: u64,
+    },
+    /// The store answered with an error, or the connection broke.
+    #[error("remote store {op} failed: {reason}")]
+    Store {
+        /// The operation.
+        op: &'static str,
+        /// What went wrong.
+        reason: String,
+    },
+}
