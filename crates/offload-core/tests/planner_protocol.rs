@@ -201,12 +201,18 @@ fn after_forward_stores_take_the_blocks_a_step_fills_first_step_included() {
     let mut p = Planner::new(PlannerConfig::new(BS as u32, 16).with_stores_after_forward(true));
     let h = hashes(1, 3);
     // The prompt's 40 tokens are computed by this step's forward: 2 full blocks.
-    let store = step(&mut p, [with_scheduled(new_req("a", 0, &[0, 1, 2], &h), 40)])
-        .store
-        .unwrap();
+    let store = step(
+        &mut p,
+        [with_scheduled(new_req("a", 0, &[0, 1, 2], &h), 40)],
+    )
+    .store
+    .unwrap();
     assert_eq!(store.gpu_blocks, vec![0, 1]);
     // Resumed into a new table, it stores what that step fills (already stored: none).
-    let plan = step(&mut p, [with_scheduled(resumed("a", 0, &[5, 6, 7], &h), 48)]);
+    let plan = step(
+        &mut p,
+        [with_scheduled(resumed("a", 0, &[5, 6, 7], &h), 48)],
+    );
     assert_eq!(plan.store.unwrap().gpu_blocks, vec![7]);
 }
 
