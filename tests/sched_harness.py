@@ -426,11 +426,14 @@ class SchedHarness:
             Load(t, r, block_ids(g), block_ids(c), bool(v), bool(s))
             for t, r, g, c, v, s in meta.loads
         ]
-        if meta.store is not None:
-            t, g, c, reqs = meta.store[:4]
+        # KV in host memory with synchronous loads: the store runs after the forward pass.
+        store = meta.store if meta.store is not None else meta.store_after_forward
+        if store is not None:
+            t, g, c, reqs = store[:4]
             step.store = Store(t, block_ids(g), block_ids(c), list(reqs))
         ids, ok, _, _ = transfer_report(meta)
-        self.in_flight.update(zip(ids, ok, strict=True))
+        after_ids, _ = after_forward_report(meta)
+        self.in_flight.update(zip(ids + after_ids, ok + [True] * len(after_ids), strict=True))
         report = [t for t in self._release if t in self.in_flight]
         self._release = []
         if self._hold:
