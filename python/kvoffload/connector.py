@@ -17,6 +17,7 @@ from kvoffload.vllm_adapter import (
     KVConnectorWorkerMetadata,
     block_size,
     bytes_per_block,
+    event_spec,
     extra_config,
     kv_events_enabled,
     kv_in_host_memory,
@@ -92,7 +93,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
                 config,
                 block_size=block_size(kv_cache_config),
                 num_cpu_blocks=num_cpu_blocks,
-                events=kv_events_enabled(vllm_config),
+                events=event_spec(kv_cache_config) if kv_events_enabled(vllm_config) else None,
                 max_num_batched_tokens=max_num_batched_tokens(vllm_config),
                 sync_loads=sync,
                 # Copies within host memory finish inside the step (load_mode "sync", the
