@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, Any
 from kvoffload._native import ConfigError, parse_config
 from kvoffload.metadata import KVOffloadMetadata
 from kvoffload.scheduler import OffloadScheduler
-from kvoffload.stats import KVOffloadStats
+from kvoffload.stats import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm_adapter import (
     HOST_HIT_SOURCE,
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorPromMetrics,
     KVConnectorRole,
     KVConnectorStats,
     KVConnectorWorkerMetadata,
@@ -234,6 +235,16 @@ class KVOffloadConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return KVOffloadStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

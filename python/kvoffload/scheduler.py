@@ -170,4 +170,7 @@ class OffloadScheduler:
     def stats(self) -> KVOffloadStats | None:
         if not self._stats.due():
             return None
-        return self._stats.delta(self._planner.stats())
+        p = self._planner
+        capacity = p.num_cpu_blocks
+        gauges = {"cpu_blocks_used": capacity - p.num_free_blocks, "cpu_blocks_capacity": capacity}
+        return self._stats.delta(p.stats(), gauges)
