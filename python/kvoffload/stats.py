@@ -138,9 +138,10 @@ class KVOffloadStats(KVConnectorStats):
         return not any(self.data[p] for p in (COUNTERS, GAUGES, TIMES))
 
 
-#: vLLM asks for connector stats every step; its loggers print every few seconds, so
-#: reporting once per interval keeps the per-step cost to a clock read.
-REPORT_INTERVAL_S = 1.0
+#: vLLM asks for connector stats after every step and never while idle, so a report held
+#: back for an interval would keep the last counts of a burst from /metrics until the next
+#: request: every call with something new reports it (a few microseconds).
+REPORT_INTERVAL_S = 0.0
 
 
 class CounterDeltas:
@@ -218,6 +219,11 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                 buckets=TIME_BUCKETS,
             )
         self._children: dict[tuple[int, str, tuple[str, ...]], Any] = {}
+        # Every counter shows from the start, at 0 until something happens: a scrape
+        # can tell "no failed store" from "not reported".
+        for engine_idx in per_engine_labelvalues:
+            for name, extra, _doc in COUNTER_SERIES.values():
+                self._child(engine_idx, name, extra)
 
     def _child(self, engine_idx: int, name: str, extra: tuple[str, ...] = ()) -> Any:
         key = (engine_idx, name, extra)
