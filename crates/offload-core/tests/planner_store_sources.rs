@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::planner::{complete_on_every_rank, hashes, idle_step, new_req, planner, running, step};
+use common::planner::{complete_on_every_rank, hashes, new_req, planner, running, step};
 use offload_core::{Planner, PlannerConfig};
 
 #[test]
