@@ -49,6 +49,16 @@ class CpuEventLog:
         self._resident: dict[bytes, Any] = {}
         self._out: list[Any] = []
 
+    @property
+    def num_snapshots(self) -> int:
+        """Blocks snapshotted for stores in flight (introspection for tests)."""
+        return len(self._in_flight)
+
+    @property
+    def num_resident(self) -> int:
+        """Published hashes kept for the blocks' removal (introspection for tests)."""
+        return len(self._resident)
+
     def store_issued(
         self,
         store: tuple[Any, ...],

@@ -63,6 +63,10 @@ class OffloadScheduler:
     def planner(self) -> Planner:
         return self._planner
 
+    @property
+    def event_log(self) -> CpuEventLog | None:
+        return self._events
+
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         # Only lazy mode walks the free queue (the walker follows the queue's removals).
         if self._lazy:
