@@ -25,17 +25,6 @@ from sched_harness import BLOCK_SIZE, SchedHarness, full_attention, model_config
 BS = BLOCK_SIZE
 LAYER = "model.layers.0.self_attn.attn"
 
-HASH_GAP = (
-    "KV-event metadata: kvoffload's CPU events carry a 16-byte prefix of the block hash; "
-    "vLLM publishes maybe_convert_block_hash of the full 32-byte hash (by default a 64-bit "
-    "int of its last 8 bytes, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)"
-)
-META_GAP = (
-    "KV-event metadata: kvoffload's BlockStored carries no group_idx, kv_cache_spec_kind "
-    "or locality"
-)
-LORA_GAP = "KV-event metadata: kvoffload's BlockStored carries no lora_id, lora_name or extra_keys"
-LOCALITY_GAP = HASH_GAP + "; BlockRemoved carries no locality"
 DISK_GAP = (
     "no disk tier: kvoffload has no disk_capacity_bytes (an unknown key, ignored) and no "
     "STORAGE medium"
@@ -100,7 +89,6 @@ def test_events_disabled_no_events(model: Path) -> None:
     assert h.connector.take_events() == []
 
 
-@pytest.mark.xfail(strict=True, reason=HASH_GAP + "; " + META_GAP + ", no token_ids")
 def test_block_stored_per_group_metadata_full_attention(model: Path) -> None:
     from vllm.distributed.kv_events import MEDIUM_CPU
 
@@ -119,7 +107,6 @@ def test_block_stored_per_group_metadata_full_attention(model: Path) -> None:
         assert e.locality == "LOCAL"
 
 
-@pytest.mark.xfail(strict=True, reason=LORA_GAP)
 def test_eager_store_lora_metadata(model: Path) -> None:
     from vllm.lora.request import LoRARequest
 
@@ -184,7 +171,6 @@ def test_secondary_hash_block_stored_metadata(model: Path) -> None:
     assert by_hash[published(req, 1)].block_size == BS
 
 
-@pytest.mark.xfail(strict=True, reason=LOCALITY_GAP)
 def test_block_removed_relabeled_medium_cpu(model: Path) -> None:
     from vllm.distributed.kv_events import MEDIUM_CPU
 
@@ -201,7 +187,6 @@ def test_block_removed_relabeled_medium_cpu(model: Path) -> None:
     assert {e.locality for e in removed} == {"LOCAL"}
 
 
-@pytest.mark.xfail(strict=True, reason=META_GAP)
 def test_lazy_store_emits_block_stored(model: Path) -> None:
     from vllm.distributed.kv_events import MEDIUM_CPU
 

@@ -106,17 +106,20 @@ class Planner:
         lazy_block_hashes: list[bytes] | None = None,
         strip: int = 0,
         num_scheduled_tokens: Mapping[str, int] | None = None,
-    ) -> tuple[list[_LoadTuple], _StoreTuple | None, list[int]]:
-        """Returns ``(loads, store, held_gpu_blocks)``: lazy mode's selected GPU blocks
-        must be kept from reuse until ``complete`` releases them."""
+    ) -> tuple[list[_LoadTuple], _StoreTuple | None, list[int], list[tuple[int, int] | None]]:
+        """Returns ``(loads, store, held_gpu_blocks, store_sources)``: lazy mode's selected
+        GPU blocks must be kept from reuse until ``complete`` releases them; with events
+        on, ``store_sources`` says for each stored block its request's index in the
+        store's ``req_ids`` and its block position (``None``: a lazy candidate)."""
     def request_finished(
         self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int
     ) -> bool: ...
     def complete(
         self, transfer_ids: list[int], ok: list[bool]
-    ) -> tuple[list[str], list[str], list[int], list[int]]:
+    ) -> tuple[list[str], list[str], list[int], list[int], list[int]]:
         """Returns ``(finished_sending, finished_recving, load_error_blocks,
-        released_gpu_blocks)``."""
+        released_gpu_blocks, retired_stores)`` (``retired_stores``: with events on, the
+        store transfers that retired, published or failed)."""
     def take_events(self) -> list[tuple[Any, ...]]: ...
     def reset(self) -> None: ...
     def has_work_in_flight(self) -> bool: ...

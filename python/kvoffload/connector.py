@@ -7,16 +7,18 @@ from typing import TYPE_CHECKING, Any
 from kvoffload._native import ConfigError, parse_config
 from kvoffload.metadata import KVOffloadMetadata
 from kvoffload.scheduler import OffloadScheduler
-from kvoffload.stats import KVOffloadStats
+from kvoffload.stats import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm_adapter import (
     HOST_HIT_SOURCE,
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorPromMetrics,
     KVConnectorRole,
     KVConnectorStats,
     KVConnectorWorkerMetadata,
     block_size,
     bytes_per_block,
+    event_spec,
     extra_config,
     kv_events_enabled,
     kv_in_host_memory,
@@ -92,7 +94,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
                 config,
                 block_size=block_size(kv_cache_config),
                 num_cpu_blocks=num_cpu_blocks,
-                events=kv_events_enabled(vllm_config),
+                events=event_spec(kv_cache_config) if kv_events_enabled(vllm_config) else None,
                 max_num_batched_tokens=max_num_batched_tokens(vllm_config),
                 sync_loads=sync,
                 # Copies within host memory finish inside the step (load_mode "sync", the
@@ -233,6 +235,16 @@ class KVOffloadConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return KVOffloadStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

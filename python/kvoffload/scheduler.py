@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload._native import KVOffloadError, OffloadConfig, Planner
+from kvoffload.events import GROUP_ID_BYTES, CpuEventLog
 from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import CounterDeltas, KVOffloadStats
 from kvoffload.vllm_adapter import (
+    EventSpec,
     FreeQueueWalker,
     allocated_block_ids,
-    kv_events,
     logger,
     scheduled_lists,
 )
@@ -18,10 +19,6 @@ from kvoffload.vllm_adapter import (
 #: Lazy mode keeps this many steps' worth of batched tokens offloaded ahead of eviction
 #: (the same watermark as vLLM's SimpleCPUOffloadConnector).
 LAZY_WATERMARK_STEPS = 2
-
-#: vLLM appends the KV-cache group id (4 bytes) to a GPU block's hash; the planner keys
-#: blocks by the request's own hash, without it.
-GROUP_ID_BYTES = 4
 
 
 class OffloadScheduler:
@@ -33,7 +30,7 @@ class OffloadScheduler:
         *,
         block_size: int,
         num_cpu_blocks: int,
-        events: bool,
+        events: EventSpec | None,
         max_num_batched_tokens: int,
         sync_loads: bool,
         stores_after_forward: bool = False,
@@ -43,13 +40,17 @@ class OffloadScheduler:
             num_cpu_blocks,
             world_size=config.world_size,
             lazy=config.lazy_offload,
-            events=events,
+            events=events is not None,
             sync_loads=sync_loads,
             stores_after_forward=stores_after_forward,
         )
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward
-        self._events = events
+        # With events on: the log of CPU events, and the requests it snapshots blocks of
+        # (finished ones until the step that issues their last store).
+        self._events = CpuEventLog(block_size, events) if events is not None else None
+        self._requests: dict[str, Any] = {}
+        self._finished: dict[str, Any] = {}
         self._lazy = config.lazy_offload
         self._lazy_limit = LAZY_WATERMARK_STEPS * -(-max_num_batched_tokens // block_size)
         # Each request's own hash list, which vLLM extends (and, for streaming sessions,
@@ -63,6 +64,10 @@ class OffloadScheduler:
     def planner(self) -> Planner:
         return self._planner
 
+    @property
+    def event_log(self) -> CpuEventLog | None:
+        return self._events
+
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         # Only lazy mode walks the free queue (the walker follows the queue's removals).
         if self._lazy:
@@ -74,6 +79,8 @@ class OffloadScheduler:
         req_id = request.request_id
         hashes = request.block_hashes
         self._hash_lists[req_id] = hashes
+        if self._events is not None:
+            self._requests[req_id] = request
         hit = self._planner.lookup(req_id, hashes, request.num_tokens, num_computed_tokens)
         return hit, hit > 0 and self._async_loads
 
@@ -89,7 +96,7 @@ class OffloadScheduler:
         lazy_ids = lazy_hashes = None
         if self._lazy and self._walker is not None:
             lazy_ids, lazy_hashes = self._walker.candidates(self._lazy_limit)
-        loads, store, held = self._planner.schedule(
+        loads, store, held, sources = self._planner.schedule(
             *lists,
             self._hash_lists,
             lazy_ids,
@@ -97,6 +104,12 @@ class OffloadScheduler:
             GROUP_ID_BYTES,
             num_scheduled if after_forward else None,
         )
+        if self._events is not None:
+            if store is not None:
+                requests = self._requests if not self._finished else self._finished_first()
+                lazy = dict(zip(lazy_ids, lazy_hashes, strict=True)) if lazy_ids else {}
+                self._events.store_issued(store, sources, requests, lazy)
+            self._finished.clear()
         if held and self._walker is not None:
             self._walker.hold(held)
         if after_forward:
@@ -110,12 +123,14 @@ class OffloadScheduler:
         if not isinstance(meta, KVOffloadWorkerMetadata) or not meta.transfer_ids:
             return
         try:
-            sending, recving, load_errors, released = self._planner.complete(
+            sending, recving, load_errors, released, retired = self._planner.complete(
                 meta.transfer_ids, meta.ok
             )
         except KVOffloadError as e:
             logger.error("kvoffload: ignoring a bad completion report: %s", e)
             return
+        if retired and self._events is not None:
+            self._events.stores_retired(self._planner.take_events(), retired)
         if sending:
             if connector_output.finished_sending is None:
                 connector_output.finished_sending = set()
@@ -132,18 +147,29 @@ class OffloadScheduler:
     def request_finished(self, request: Any) -> bool:
         req_id = request.request_id
         self._hash_lists.pop(req_id, None)
+        if self._events is not None and self._requests.pop(req_id, None) is not None:
+            self._finished[req_id] = request
         return self._planner.request_finished(
             req_id, request.block_hashes, request.num_computed_tokens
         )
 
     def take_events(self) -> list[Any]:
-        if not self._events:
+        if self._events is None:
             return []
-        raw = self._planner.take_events()
-        return kv_events(raw) if raw else []
+        return self._events.take(self._planner.take_events())
+
+    def _finished_first(self) -> dict[str, Any]:
+        # A finished request's last blocks are issued in the step after it finished; a
+        # new request reusing its id in between does not own those blocks.
+        return {**self._requests, **self._finished}
 
     def reset_cache(self) -> bool:
+        if self._events is not None:
+            # Events buffered before the reset still name blocks it is about to drop.
+            self._events.convert(self._planner.take_events())
         self._planner.reset()
+        if self._events is not None:
+            self._events.reset()
         if self._walker is not None:
             self._walker.reset()
         return True
@@ -154,4 +180,7 @@ class OffloadScheduler:
     def stats(self) -> KVOffloadStats | None:
         if not self._stats.due():
             return None
-        return self._stats.delta(self._planner.stats())
+        p = self._planner
+        capacity = p.num_cpu_blocks
+        gauges = {"cpu_blocks_used": capacity - p.num_free_blocks, "cpu_blocks_capacity": capacity}
+        return self._stats.delta(p.stats(), gauges)

@@ -1,4 +1,13 @@
-"""Connector statistics in vLLM's ``KVConnectorStats`` shape."""
+"""Connector statistics in vLLM's ``KVConnectorStats`` shape, and their Prometheus series.
+
+The scheduler (planner counters, CPU residency) and every worker (bytes moved, copy
+times) each report what changed since their previous report. vLLM sums the workers'
+reports and the scheduler's (``aggregate``) and hands the sum to the loggers: the log line
+(``reduce``) and ``/metrics`` (:class:`KVOffloadPromMetrics`). The payload is plain dicts
+and lists, so it crosses vLLM's process boundaries as it is::
+
+    {"counters": {key: delta}, "gauges": {key: value}, "times": {key: [seconds, ...]}}
+"""
 
 from __future__ import annotations
 
@@ -6,39 +15,143 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.vllm_adapter import KVConnectorStats
+from kvoffload.vllm_adapter import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = "counters"
+GAUGES = "gauges"
+TIMES = "times"
+
+#: Counter key -> (Prometheus name, extra label values, help). Planner keys count once
+#: per engine; worker keys (bytes) are summed over ranks.
+COUNTER_SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "lookups": ("vllm:kv_offload_lookups", (), "Prefix lookups answered by the CPU tier."),
+    "hit_tokens": (
+        "vllm:kv_offload_hit_tokens",
+        (),
+        "Prompt tokens the scheduler accepted to load from the CPU tier.",
+    ),
+    "stored_blocks": (
+        "vllm:kv_offload_stored_blocks",
+        (),
+        "Blocks stored on CPU (published once every rank copied them).",
+    ),
+    "load_blocks": ("vllm:kv_offload_loaded_blocks", (), "Blocks in loads issued from CPU."),
+    "bytes_stored": (
+        "vllm:kv_offload_stored_bytes",
+        (),
+        "Bytes copied into CPU memory by successful stores, summed over ranks.",
+    ),
+    "bytes_loaded": (
+        "vllm:kv_offload_loaded_bytes",
+        (),
+        "Bytes copied out of CPU memory by successful loads, summed over ranks.",
+    ),
+    "failed_stores": (
+        "vllm:kv_offload_failed_transfers",
+        ("store",),
+        "Transfers that failed on some rank (their blocks are dropped or recomputed).",
+    ),
+    "failed_loads": (
+        "vllm:kv_offload_failed_transfers",
+        ("load",),
+        "Transfers that failed on some rank (their blocks are dropped or recomputed).",
+    ),
+    "dedup_skipped": (
+        "vllm:kv_offload_skipped_store_blocks",
+        ("already_stored",),
+        "Candidate blocks not stored: on CPU or in flight already, or no CPU block free.",
+    ),
+    "no_space_skipped": (
+        "vllm:kv_offload_skipped_store_blocks",
+        ("no_space",),
+        "Candidate blocks not stored: on CPU or in flight already, or no CPU block free.",
+    ),
+    "evicted_blocks": (
+        "vllm:kv_offload_evicted_blocks",
+        (),
+        "CPU blocks evicted to make room for new ones.",
+    ),
+}
+
+#: Series whose single extra label is named here.
+LABEL_OF = {
+    "vllm:kv_offload_failed_transfers": "direction",
+    "vllm:kv_offload_skipped_store_blocks": "reason",
+}
+
+GAUGE_SERIES = {
+    "cpu_blocks_used": (
+        "vllm:kv_offload_cpu_blocks_used",
+        "CPU blocks holding KV or being written (cached and in-flight), per rank.",
+    ),
+    "cpu_blocks_capacity": ("vllm:kv_offload_cpu_blocks_capacity", "CPU blocks per rank."),
+}
+
+TIME_SERIES = {
+    "store": "vllm:kv_offload_store_seconds",
+    "load": "vllm:kv_offload_load_seconds",
+}
+
+#: Transfer time buckets, from a sub-millisecond memcpy to a congested multi-second copy.
+TIME_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+
+
+def _empty() -> dict[str, Any]:
+    return {COUNTERS: {}, GAUGES: {}, TIMES: {}}
 
 
 @dataclass
 class KVOffloadStats(KVConnectorStats):
-    """Counter deltas since the previous report (vLLM sums them across steps and ranks)."""
+    """What changed since the previous report (counters summed over steps and ranks,
+    gauges the latest value, copy times listed)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = _empty()
+        for part in (COUNTERS, GAUGES, TIMES):
+            self.data.setdefault(part, {})
 
     def reset(self) -> None:
-        self.data = {}
+        self.data = _empty()
 
     def aggregate(self, other: KVConnectorStats) -> KVOffloadStats:
-        for k, v in (other.data or {}).items():
-            self.data[k] = self.data.get(k, 0) + v
+        data = other.data or {}
+        counters = self.data[COUNTERS]
+        for k, v in data.get(COUNTERS, {}).items():
+            counters[k] = counters.get(k, 0) + v
+        self.data[GAUGES].update(data.get(GAUGES, {}))
+        times = self.data[TIMES]
+        for k, v in data.get(TIMES, {}).items():
+            times.setdefault(k, []).extend(v)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
+        out: dict[str, int | float] = dict(self.data[COUNTERS])
+        out.update(self.data[GAUGES])
+        for k, v in self.data[TIMES].items():
+            if v:
+                out[f"{k}_transfers"] = len(v)
+                out[f"{k}_avg_ms"] = round(1000 * sum(v) / len(v), 3)
+        return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(self.data[p] for p in (COUNTERS, GAUGES, TIMES))
 
 
-#: vLLM asks for connector stats every step; its loggers print every few seconds, so
-#: reporting the deltas once per interval keeps the per-step cost to a clock read.
-REPORT_INTERVAL_S = 1.0
+#: vLLM asks for connector stats after every step and never while idle, so a report held
+#: back for an interval would keep the last counts of a burst from /metrics until the next
+#: request: every call with something new reports it (a few microseconds).
+REPORT_INTERVAL_S = 0.0
 
 
 class CounterDeltas:
-    """Turns monotonic counters into deltas, at most once per ``interval_s`` seconds,
-    returning ``None`` when it is not time yet or nothing moved."""
+    """Turns monotonic counters into deltas, at most once per ``interval_s`` seconds, with
+    gauges that changed and the copy times gathered since; ``None`` when it is not time
+    yet or nothing changed."""
 
     def __init__(self, interval_s: float = REPORT_INTERVAL_S) -> None:
         self._last: dict[str, int] = {}
+        self._gauges: dict[str, int] = {}
         self._interval = interval_s
         self._next = 0.0
 
@@ -49,12 +162,87 @@ class CounterDeltas:
         self._next = now + self._interval
         return True
 
-    def delta(self, counters: list[tuple[str, int]]) -> KVOffloadStats | None:
-        data: dict[str, Any] = {}
+    def delta(
+        self,
+        counters: list[tuple[str, int]],
+        gauges: dict[str, int] | None = None,
+        times: dict[str, list[float]] | None = None,
+    ) -> KVOffloadStats | None:
+        data = _empty()
         last = self._last
         for name, value in counters:
             d = value - last.get(name, 0)
             if d:
-                data[name] = d
+                data[COUNTERS][name] = d
                 last[name] = value
-        return KVOffloadStats(data=data) if data else None
+        for name, value in (gauges or {}).items():
+            if self._gauges.get(name) != value:
+                data[GAUGES][name] = value
+                self._gauges[name] = value
+        for name, values in (times or {}).items():
+            if values:
+                data[TIMES][name] = values
+        stats = KVOffloadStats(data=data)
+        return None if stats.is_empty() else stats
+
+
+class KVOffloadPromMetrics(KVConnectorPromMetrics):
+    """kvoffload's series on vLLM's ``/metrics``, labelled per engine like vLLM's own."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._series: dict[str, Any] = {}
+        for name, extra, doc in COUNTER_SERIES.values():
+            if name not in self._series:
+                labels = [LABEL_OF[name]] if extra else []
+                self._series[name] = self._counter_cls(
+                    name=f"{name}_total", documentation=doc, labelnames=labelnames + labels
+                )
+        for name, doc in GAUGE_SERIES.values():
+            self._series[name] = self._gauge_cls(
+                name=name,
+                documentation=doc,
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+        for kind, name in TIME_SERIES.items():
+            self._series[name] = self._histogram_cls(
+                name=name,
+                documentation=f"Time from submitting a {kind} to its completion, per rank.",
+                labelnames=labelnames,
+                buckets=TIME_BUCKETS,
+            )
+        self._children: dict[tuple[int, str, tuple[str, ...]], Any] = {}
+        # Every counter shows from the start, at 0 until something happens: a scrape
+        # can tell "no failed store" from "not reported".
+        for engine_idx in per_engine_labelvalues:
+            for name, extra, _doc in COUNTER_SERIES.values():
+                self._child(engine_idx, name, extra)
+
+    def _child(self, engine_idx: int, name: str, extra: tuple[str, ...] = ()) -> Any:
+        key = (engine_idx, name, extra)
+        child = self._children.get(key)
+        if child is None:
+            values = [*self.per_engine_labelvalues[engine_idx], *extra]
+            child = self._children[key] = self._series[name].labels(*values)
+        return child
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.get(COUNTERS, {}).items():
+            series = COUNTER_SERIES.get(key)
+            if series is not None and value > 0:
+                self._child(engine_idx, series[0], series[1]).inc(value)
+        for key, value in transfer_stats_data.get(GAUGES, {}).items():
+            if key in GAUGE_SERIES:
+                self._child(engine_idx, GAUGE_SERIES[key][0]).set(value)
+        for key, values in transfer_stats_data.get(TIMES, {}).items():
+            if key in TIME_SERIES:
+                child = self._child(engine_idx, TIME_SERIES[key])
+                for v in values:
+                    child.observe(v)

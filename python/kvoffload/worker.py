@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from array import array
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 PREEMPTION_FENCE_TIMEOUT_S = 30.0
 SYNC_LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 5.0
+#: Copy times kept between two stats reports, per direction (vLLM asks every step).
+MAX_TIMES_PER_REPORT = 4096
 #: How long a step waits for its after-forward store (KV in host memory) before leaving it
 #: to finish in the background.
 STORE_AFTER_FORWARD_TIMEOUT_S = 30.0
@@ -68,6 +71,10 @@ class OffloadWorker:
         self._load_errors: set[int] = set()
         self._sync_loads: list[int] = []
         self._stats = CounterDeltas()
+        # Submission times of the copies in flight, and the copy times of those that ended
+        # since the last report (capped: vLLM drains them every step).
+        self._started: dict[int, float] = {}
+        self._times: dict[str, list[float]] = {"store": [], "load": []}
         # CUDA backend: the compute-stream event each in-flight copy waits on, kept alive
         # until the engine reports the copy done (its stream waits on it; see cuda_events).
         self._cuda = False
@@ -145,10 +152,12 @@ class OffloadWorker:
                 self._fail_load(tid, gpu, "no CPU hit backs this load")
                 continue
             self._loads[tid] = gpu
+            self._started[tid] = time.perf_counter()
             try:
                 self._engine.submit(tid, False, gpu, cpu, wait_event)
             except KVOffloadError as e:
                 self._loads.pop(tid, None)
+                self._started.pop(tid, None)
                 self._fail_load(tid, gpu, str(e))
                 continue
             if event is not None:
@@ -158,6 +167,7 @@ class OffloadWorker:
         if metadata.store is not None:
             tid, gpu, cpu, req_ids = metadata.store
             self._stores[tid] = frozenset(req_ids)
+            self._started[tid] = time.perf_counter()
             try:
                 self._engine.submit(tid, True, gpu, cpu, wait_event)
             except KVOffloadError as e:
@@ -208,6 +218,7 @@ class OffloadWorker:
             self._record(tid, False, "no KV caches registered")
             return
         self._stores[tid] = frozenset(req_ids)
+        self._started[tid] = time.perf_counter()
         try:
             self._engine.submit(tid, True, gpu, cpu, None)
         except KVOffloadError as e:
@@ -236,7 +247,8 @@ class OffloadWorker:
     def stats(self) -> KVOffloadStats | None:
         if self._engine is None or not self._stats.due():
             return None
-        return self._stats.delta(self._engine.stats())
+        times, self._times = self._times, {"store": [], "load": []}
+        return self._stats.delta(self._engine.stats(), times=times)
 
     def shutdown(self) -> None:
         if self._engine is None:
@@ -265,8 +277,13 @@ class OffloadWorker:
     def _record(self, tid: int, ok: bool, err: str | None) -> None:
         """One completion reported by the engine: the copy has ended, so its event may go."""
         gpu = self._loads.pop(tid, None)
-        self._stores.pop(tid, None)
+        store = self._stores.pop(tid, None) is not None
         self._events.pop(tid, None)
+        started = self._started.pop(tid, None)
+        if ok and started is not None:
+            times = self._times["store" if store else "load"]
+            if len(times) < MAX_TIMES_PER_REPORT:
+                times.append(time.perf_counter() - started)
         if not ok:
             if gpu is not None:
                 self._load_errors.update(block_list(gpu))

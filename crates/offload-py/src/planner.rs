@@ -22,8 +22,17 @@ type LoadTuple<'py> = (
 );
 /// `(id, gpu_blocks, cpu_blocks, req_ids)`; block lists are little-endian u32 bytes.
 type StoreTuple<'py> = (u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Vec<String>);
-/// `(loads, store, held_gpu_blocks)`.
-type StepTuple<'py> = (Vec<LoadTuple<'py>>, Option<StoreTuple<'py>>, Vec<u32>);
+/// `(loads, store, held_gpu_blocks, store_sources)`; `store_sources` is empty unless
+/// events are on (see `StoreJob::sources`).
+type StepTuple<'py> = (
+    Vec<LoadTuple<'py>>,
+    Option<StoreTuple<'py>>,
+    Vec<u32>,
+    Vec<Option<(u32, u32)>>,
+);
+/// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
+/// retired_stores)`.
+type CompleteTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u64>);
 
 /// Scheduler-side planner (see `offload_core::Planner`).
 #[pyclass(module = "kvoffload._native", name = "Planner")]
@@ -123,7 +132,8 @@ impl PyPlanner {
     /// hashes (`strip`: trailing bytes to drop from each, vLLM's 4-byte group id).
     /// `num_scheduled_tokens` (`{request_id: tokens}`, vLLM's own dict) is read for
     /// planners whose stores run after the forward pass. Returns
-    /// `(loads, store, held_gpu_blocks)` for the workers.
+    /// `(loads, store, held_gpu_blocks)` for the workers, and with events on the store's
+    /// per-block `(index in its req_ids, block position)` (`None`: lazy).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
         new_req_ids, new_num_computed, new_block_ids, cached_req_ids, cached_num_computed,
@@ -231,14 +241,14 @@ impl PyPlanner {
     }
 
     /// Applies per-rank reports `(transfer_id, ok)`; returns
-    /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks)`.
-    #[allow(clippy::type_complexity)]
+    /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
+    /// retired_stores)` (`retired_stores`: with events on, the store ids that retired).
     fn complete(
         &mut self,
         py: Python<'_>,
         transfer_ids: Vec<u64>,
         ok: Vec<bool>,
-    ) -> PyResult<(Vec<String>, Vec<String>, Vec<u32>, Vec<u32>)> {
+    ) -> PyResult<CompleteTuple> {
         if transfer_ids.len() != ok.len() {
             return Err(INVALID_INPUT_ERROR.err(format!(
                 "complete: {} transfer ids but {} results",
@@ -256,6 +266,7 @@ impl PyPlanner {
             c.finished_recving,
             c.load_error_blocks,
             c.released_gpu_blocks,
+            c.retired_stores,
         );
         // Reports are applied even if one was unknown; that one is still an error.
         res.map_err(plan_err)?;
@@ -416,7 +427,9 @@ fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
             )
         })
         .collect();
+    let mut sources = Vec::new();
     let store = plan.store.map(|s| {
+        sources = s.sources;
         (
             s.id,
             ids_to_bytes(py, &s.gpu_blocks),
@@ -424,5 +437,5 @@ fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
             s.req_ids,
         )
     });
-    (loads, store, plan.held_gpu_blocks)
+    (loads, store, plan.held_gpu_blocks, sources)
 }

@@ -104,6 +104,11 @@ impl Planner {
             cpu_blocks: pending.entries.iter().map(|e| e.block).collect(),
             req_ids: pending.req_ids.iter().map(|(r, _)| r.clone()).collect(),
             flush_req_ids: pending.flush_req_ids,
+            sources: if self.cfg.events {
+                pending.entries.iter().map(|e| e.source).collect()
+            } else {
+                Vec::new()
+            },
         };
         let lazy_gpu_blocks = if pending.lazy {
             pending.gpu_blocks
@@ -188,6 +193,9 @@ impl Planner {
                     self.publish(&entries);
                 }
                 self.completions.released_gpu_blocks.extend(lazy_gpu_blocks);
+                if self.cfg.events {
+                    self.completions.retired_stores.push(id);
+                }
                 for (req, serial) in &req_ids {
                     if let Some(f) = self.finishing.get_mut(serial) {
                         f.stores_in_flight = f.stores_in_flight.saturating_sub(1);

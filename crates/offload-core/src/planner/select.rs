@@ -15,6 +15,9 @@ pub(super) struct StoreEntry {
     pub(super) block: BlockId,
     pub(super) hash: BlockHash,
     pub(super) parent: Option<BlockHash>,
+    /// Where the block comes from: its request's index in the job's `req_ids` and its
+    /// position in that request; `None` for a lazy candidate (no request).
+    pub(super) source: Option<(u32, u32)>,
 }
 
 /// The store job being assembled for the next step.
@@ -50,6 +53,15 @@ pub(super) fn select_eager(
         return r.queued;
     }
     let mut selected = false;
+    // The request's index in the job's `req_ids`: where it is, or where it will be pushed.
+    let slot = if r.queued {
+        pending
+            .req_ids
+            .iter()
+            .position(|(q, s)| q == req && *s == r.serial)
+    } else {
+        Some(pending.req_ids.len())
+    };
     for i in r.stored_upto..confirmed {
         let key = BlockKey::new(GROUP, r.hashes[i]);
         if cache.contains(&key) {
@@ -62,6 +74,8 @@ pub(super) fn select_eager(
                     block,
                     hash: r.hashes[i],
                     parent: i.checked_sub(1).map(|p| r.hashes[p]),
+                    source: slot
+                        .and_then(|s| Some((u32::try_from(s).ok()?, u32::try_from(i).ok()?))),
                 });
                 pending.gpu_blocks.push(r.gpu_blocks[i]);
                 selected = true;
@@ -107,6 +121,7 @@ pub(super) fn select_lazy(
             block,
             hash: key.hash,
             parent: None,
+            source: None,
         });
         pending.gpu_blocks.push(gpu);
         pending.lazy = true;

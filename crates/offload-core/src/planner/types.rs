@@ -213,6 +213,11 @@ pub struct StoreJob {
     /// Requests that finished and whose GPU blocks wait for this copy: workers whose KV
     /// lives in host memory finish it within the step, so an idle engine holds nothing.
     pub flush_req_ids: Vec<String>,
+    /// With events on, pairwise with `cpu_blocks`: where each block comes from, as its
+    /// request's index in `req_ids` and its block position in that request, or `None`
+    /// for a lazy candidate. The caller snapshots what vLLM's events need (tokens, full
+    /// hash, LoRA) while it still holds the request. Empty with events off.
+    pub sources: Vec<Option<(u32, u32)>>,
 }
 
 /// What workers must do this step.
@@ -249,6 +254,10 @@ pub struct Completions {
     /// GPU blocks of lazy stores that retired: the caller held them when they were
     /// selected and must now release them.
     pub released_gpu_blocks: Vec<u32>,
+    /// With events on: store transfers that retired (published or failed). Their
+    /// [`KvEvent::Stored`](crate::KvEvent::Stored) events, if any, are buffered already,
+    /// so a caller may drop what it kept for them.
+    pub retired_stores: Vec<TransferId>,
 }
 
 /// A lazy-mode candidate: a GPU block about to be evicted and the key of its content.

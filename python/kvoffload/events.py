@@ -1,0 +1,140 @@
+"""CPU-tier KV events as vLLM publishes them, built from the planner's events.
+
+The planner decides what was stored and evicted and keys blocks by the first 128 bits of
+vLLM's hash; a router correlates tiers by vLLM's full hash (converted by
+``maybe_convert_block_hash``) and wants the block's tokens. Those come from the request,
+which only the scheduler adapter holds, and only until it finishes: so each stored block
+is snapshotted when its store is issued, keyed by the planner's key, and the snapshot is
+turned into a ``BlockStored`` when the planner publishes the block (every rank copied it).
+Resident blocks keep only their published hash, for the ``BlockRemoved`` of their eviction.
+Memory: one snapshot per block in flight (dropped when its store retires, published or
+failed) and one hash per block on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvoffload.vllm_adapter import (
+    BlockMeta,
+    EventSpec,
+    all_blocks_cleared,
+    block_removed,
+    block_stored,
+    gpu_block_meta,
+    logger,
+    request_block_meta,
+)
+
+#: vLLM appends the KV-cache group id (4 bytes) to a GPU block's hash.
+GROUP_ID_BYTES = 4
+
+#: The planner's key is the first 16 bytes of vLLM's hash (shorter hashes zero-extended).
+KEY_BYTES = 16
+
+
+def planner_key(block_hash: bytes) -> bytes:
+    """The planner's key of a vLLM block hash, as its events spell it."""
+    return bytes(block_hash[:KEY_BYTES]).ljust(KEY_BYTES, b"\0")
+
+
+class CpuEventLog:
+    """Snapshots stored blocks at issue time and turns the planner's events into vLLM's."""
+
+    def __init__(self, block_size: int, spec: EventSpec) -> None:
+        self._block_size = block_size
+        self._spec = spec
+        self._in_flight: dict[bytes, BlockMeta] = {}
+        self._by_transfer: dict[int, list[bytes]] = {}
+        self._resident: dict[bytes, Any] = {}
+        self._out: list[Any] = []
+
+    @property
+    def num_snapshots(self) -> int:
+        """Blocks snapshotted for stores in flight (introspection for tests)."""
+        return len(self._in_flight)
+
+    @property
+    def num_resident(self) -> int:
+        """Published hashes kept for the blocks' removal (introspection for tests)."""
+        return len(self._resident)
+
+    def store_issued(
+        self,
+        store: tuple[Any, ...],
+        sources: list[tuple[int, int] | None],
+        requests: dict[str, Any],
+        lazy_hashes: dict[int, bytes],
+    ) -> None:
+        """Snapshots the blocks of the store just issued. ``sources``: per block, its
+        request's index in the store's ``req_ids`` and its position (``None``: lazy);
+        ``requests``: the requests by id; ``lazy_hashes``: lazy candidates' hashes (with
+        vLLM's group id) by GPU block id."""
+        tid, gpu_blocks, _cpu, req_ids = store[:4]
+        gpu = memoryview(gpu_blocks).cast("I")
+        keys: list[bytes] = []
+        for j, src in enumerate(sources):
+            if src is None:
+                h = lazy_hashes.get(gpu[j])
+                if h is None:
+                    continue
+                raw, meta = h[:-GROUP_ID_BYTES], gpu_block_meta(h)
+            else:
+                request = requests.get(req_ids[src[0]])
+                if request is None or src[1] >= len(request.block_hashes):
+                    continue
+                raw = request.block_hashes[src[1]]
+                meta = request_block_meta(request, src[1], self._block_size)
+            key = planner_key(raw)
+            self._in_flight[key] = meta
+            keys.append(key)
+        if len(keys) < len(sources):
+            logger.warning(
+                "kvoffload: %d stored blocks have no KV-event metadata; no event for them",
+                len(sources) - len(keys),
+            )
+        if keys:
+            self._by_transfer[tid] = keys
+
+    def stores_retired(self, planner_events: list[tuple[Any, ...]], tids: list[int]) -> None:
+        """Converts ``planner_events`` (taken after the stores ``tids`` retired, so theirs
+        are among them), then drops what was kept for those stores."""
+        self.convert(planner_events)
+        for tid in tids:
+            for key in self._by_transfer.pop(tid, ()):
+                self._in_flight.pop(key, None)
+
+    def convert(self, planner_events: list[tuple[Any, ...]]) -> None:
+        """Appends vLLM events for the planner's events, oldest first."""
+        out = self._out
+        for ev in planner_events:
+            kind = ev[0]
+            if kind == "stored":
+                for key in ev[2]:
+                    meta = self._in_flight.pop(key, None)
+                    if meta is None:
+                        continue
+                    self._resident[key] = meta.block_hash
+                    out.append(block_stored(meta, ev[4], self._spec))
+            elif kind == "removed":
+                gone = []
+                for key in ev[2]:
+                    h = self._resident.pop(key, None)
+                    if h is not None:
+                        gone.append(h)
+                if gone:
+                    out.append(block_removed(gone))
+            else:
+                self._resident.clear()
+                out.append(all_blocks_cleared())
+
+    def take(self, planner_events: list[tuple[Any, ...]]) -> list[Any]:
+        """The vLLM events gathered so far, ``planner_events`` included."""
+        self.convert(planner_events)
+        out, self._out = self._out, []
+        return out
+
+    def reset(self) -> None:
+        """Stores in flight at a reset are released, never published."""
+        self._in_flight.clear()
+        self._by_transfer.clear()
