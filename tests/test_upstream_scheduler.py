@@ -17,12 +17,6 @@ from sched_harness import BLOCK_SIZE, SchedHarness, Step, model_config_dir
 
 BS = BLOCK_SIZE
 
-DCP_GAP = (
-    "DCP block size: kvoffload plans with the per-rank block size (16) while vLLM hashes "
-    "and schedules blocks of block_size x dcp tokens"
-)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))
@@ -483,14 +477,10 @@ def test_reset_pending_loads(model: Path) -> None:
 # ---- context parallelism ----------------------------------------------------------------------
 
 
-def cp_xfail(dcp: int) -> list:
-    return [pytest.mark.xfail(strict=True, reason=DCP_GAP)] if dcp > 1 else []
-
-
 CP_SIZES = [
-    pytest.param(2, 1, marks=cp_xfail(2), id="dcp2"),
+    pytest.param(2, 1, id="dcp2"),
     pytest.param(1, 2, id="pcp2"),
-    pytest.param(2, 2, marks=cp_xfail(2), id="dcp2-pcp2"),
+    pytest.param(2, 2, id="dcp2-pcp2"),
 ]
 
 
@@ -549,22 +539,7 @@ def test_cp_effective_block_size_store_and_load(model: Path, dcp: int, pcp: int)
     h.assert_idle()
 
 
-LAZY_DCP_GAP = (
-    "DCP lazy target: kvoffload's lazy watermark counts per-rank blocks "
-    "(2 x 64 tokens / 16 = 8 blocks) where each vLLM block covers 16 x dcp tokens"
-)
-
-
-@pytest.mark.parametrize(
-    "cp",
-    [
-        1,
-        *(
-            pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=LAZY_DCP_GAP))
-            for n in (2, 4)
-        ),
-    ],
-)
+@pytest.mark.parametrize("cp", [1, 2, 4])
 def test_cp_lazy_target_blocks_scaling(model: Path, cp: int) -> None:
     # Lazy mode keeps two steps' worth of tokens (2 x max_num_batched_tokens = 128)
     # offloaded ahead of eviction: 8 vLLM blocks, 8 / cp when each covers 16 x cp tokens.

@@ -90,7 +90,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
             sync = config.sync_loads(host)
             self._scheduler = OffloadScheduler(
                 config,
-                block_size=block_size(kv_cache_config),
+                block_size=block_size(kv_cache_config, vllm_config),
                 num_cpu_blocks=num_cpu_blocks,
                 events=kv_events_enabled(vllm_config),
                 max_num_batched_tokens=max_num_batched_tokens(vllm_config),

@@ -94,9 +94,19 @@ def num_kv_groups(kv_cache_config: Any) -> int:
     return len(kv_cache_config.kv_cache_groups)
 
 
-def block_size(kv_cache_config: Any) -> int:
-    """Tokens per block of the (single) KV-cache group."""
-    return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+def block_size(kv_cache_config: Any, vllm_config: Any) -> int:
+    """Tokens per block of the (single) KV-cache group as vLLM's scheduler sees them: what
+    it hashes and allocates.
+
+    Under decode context parallelism each rank holds ``1 / dcp`` of a block's tokens in its
+    block of the same id, so a scheduler block spans ``block_size x dcp`` tokens (vLLM
+    0.32's ``resolve_dcp_kv_block_size``; prefill context parallelism does not scale it).
+    The planner counts in these blocks; each rank copies its share of the same block id.
+    """
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    sharded = bool(getattr(spec, "dcp_sharded", False))
+    return int(spec.block_size) * (dcp if sharded else 1)
 
 
 def num_gpu_blocks(kv_cache_config: Any) -> int:
