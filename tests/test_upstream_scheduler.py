@@ -17,6 +17,7 @@ from sched_harness import BLOCK_SIZE, SchedHarness, Step, model_config_dir
 
 BS = BLOCK_SIZE
 
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))
