@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload import ConfigError
 from sched_harness import BLOCK_SIZE, SchedHarness, Step, model_config_dir
 
 BS = BLOCK_SIZE
@@ -292,10 +293,10 @@ def test_inflight_finish_deferred_cleanup(model: Path) -> None:
 
 @pytest.mark.xfail(
     strict=True,
+    raises=ConfigError,
     reason=(
-        "sliding-window groups: kvoffload is not SupportsHMA; it keeps the block ids vLLM "
-        "scheduled and plans stores of blocks that vLLM already freed from the window "
-        "(null blocks in vLLM's table)"
+        "sliding-window groups: kvoffload is not SupportsHMA; rather than store blocks vLLM "
+        "already freed from the window, it refuses the group at construction"
     ),
 )
 def test_multi_group_null_blocks_skipped(model: Path) -> None:

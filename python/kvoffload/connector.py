@@ -22,9 +22,11 @@ from kvoffload.vllm_adapter import (
     kv_in_host_memory,
     logger,
     max_num_batched_tokens,
+    model_name,
     num_gpu_blocks,
     num_kv_groups,
     prefix_caching_enabled,
+    unsupported_kv_groups,
     world_size,
 )
 
@@ -67,6 +69,16 @@ class KVOffloadConnector(KVConnectorBase_V1):
             return
         if kv_cache_config is None:
             return
+        unsupported = unsupported_kv_groups(kv_cache_config)
+        if unsupported:
+            kinds = ", ".join(f"group {i}: {kind}" for i, kind in unsupported)
+            msg = (
+                f"KVOffloadConnector cannot offload model {model_name(vllm_config)}: its "
+                f"KV-cache groups include kinds other than full attention ({kinds}); "
+                "kvoffload offloads full-attention (and MLA) KV only"
+            )
+            logger.error(msg)
+            raise ConfigError(msg)
         groups = num_kv_groups(kv_cache_config)
         if groups != 1:
             msg = (

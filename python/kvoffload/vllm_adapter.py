@@ -94,6 +94,38 @@ def num_kv_groups(kv_cache_config: Any) -> int:
     return len(kv_cache_config.kv_cache_groups)
 
 
+#: KV-cache group kinds whose blocks stay in the request's table for its whole life, so a
+#: block vLLM confirmed is still the request's when a later store reads it.
+OFFLOADABLE_KINDS = frozenset({"full_attention", "mla_attention"})
+
+
+def model_name(vllm_config: Any) -> str:
+    model_config = getattr(vllm_config, "model_config", None)
+    return str(getattr(model_config, "model", None) or "<unknown model>")
+
+
+def unsupported_kv_groups(kv_cache_config: Any) -> list[tuple[int, str]]:
+    """``(group index, kind)`` of every KV-cache group kvoffload cannot offload.
+
+    Only full attention (MLA included) is safe: sliding-window, chunked-local, Mamba and
+    R-SWA groups free blocks from a running request's table (vLLM puts its null block in
+    their place), so a store planned from the table vLLM scheduled would read blocks that
+    already belong to someone else.
+    """
+    from vllm.v1 import kv_cache_interface as kvi
+
+    rswa = getattr(kvi, "RSWASpec", None)
+    out: list[tuple[int, str]] = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = str(kvi.get_kv_cache_spec_kind(spec).value)
+        if rswa is not None and isinstance(spec, rswa):
+            kind = "reference_sliding_window"
+        if kind not in OFFLOADABLE_KINDS:
+            out.append((i, kind))
+    return out
+
+
 def block_size(kv_cache_config: Any, vllm_config: Any) -> int:
     """Tokens per block of the (single) KV-cache group as vLLM's scheduler sees them: what
     it hashes and allocates.
