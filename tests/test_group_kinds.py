@@ -92,3 +92,29 @@ def test_full_attention_kinds_accepted(model: Path, spec: Any) -> None:
     h.serve(prompt)
     h.evict_gpu_prefix_cache()
     assert h.cpu_hit_tokens(prompt) == 2 * h.block_size
+
+
+def sliding_window_llama(tiny: Path, path: Path) -> Path:
+    """The tiny Llama with every layer a 256-token sliding window (same weights): vLLM
+    keeps its only KV-cache group a sliding window even with the hybrid manager off."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
+    cfg["sliding_window"] = 256
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_sliding_window_model_refused_by_the_engine(tiny_model: Path, tmp_path: Path) -> None:
+    from vllm_harness import engine, offload_config
+
+    model = sliding_window_llama(tiny_model, tmp_path / "sliding_llama")
+    with (
+        pytest.raises(ConfigError, match="group 0: sliding_window") as info,
+        engine(model, offload_config()),
+    ):
+        pass
+    assert str(model) in str(info.value)
