@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KVConnectorBase_V1",
+    "KVConnectorHandshakeMetadata",
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVConnectorStats",
