@@ -94,15 +94,16 @@ def test_full_attention_kinds_accepted(model: Path, spec: Any) -> None:
     assert h.cpu_hit_tokens(prompt) == 2 * h.block_size
 
 
-def sliding_window_llama(tiny: Path, path: Path) -> Path:
-    """The tiny Llama with every layer a 256-token sliding window (same weights): vLLM
-    keeps its only KV-cache group a sliding window even with the hybrid manager off."""
+def sliding_window_llama(tiny: Path, path: Path, layer_types: list[str] | None = None) -> Path:
+    """The tiny Llama (same weights) with 256-token sliding-window layers: every layer by
+    default, for which vLLM keeps its only KV-cache group a sliding window even with the
+    hybrid manager off."""
     import json
     import shutil
 
     shutil.copytree(tiny, path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
+    cfg["layer_types"] = layer_types or ["sliding_attention"] * cfg["num_hidden_layers"]
     cfg["sliding_window"] = 256
     (path / "config.json").write_text(json.dumps(cfg))
     return path
@@ -118,3 +119,36 @@ def test_sliding_window_model_refused_by_the_engine(tiny_model: Path, tmp_path: 
     ):
         pass
     assert str(model) in str(info.value)
+
+
+def test_sliding_and_full_layers_offloaded_as_full_attention(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Sliding-window and full-attention layers: with kvoffload vLLM turns its hybrid
+    manager off and keeps full KV for every layer, one full-attention group, which is
+    offloaded; outputs equal the engine without kvoffload (hybrid manager on)."""
+    from vllm_harness import (
+        cpu_hit_tokens,
+        distinct_prompts,
+        engine,
+        generate,
+        offload_config,
+        reset_gpu_prefix_cache,
+    )
+
+    model = sliding_window_llama(
+        tiny_model, tmp_path / "mixed_llama", ["sliding_attention", "full_attention"]
+    )
+    prompts = distinct_prompts(4, 600)
+    with engine(model) as llm:
+        reference = generate(llm, prompts)
+    with engine(model, offload_config()) as llm:
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec"]
+        first = generate(llm, prompts)
+        reset_gpu_prefix_cache(llm)
+        again = generate(llm, prompts)
+        hits = cpu_hit_tokens(llm)
+    assert first == reference
+    assert again == reference
+    assert hits > 0
