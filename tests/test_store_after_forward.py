@@ -9,6 +9,7 @@ pytest.importorskip("vllm")
 
 import torch
 
+from kvoffload import parse_config
 from kvoffload import worker as worker_mod
 from kvoffload.metadata import KVOffloadMetadata
 from kvoffload.worker import OffloadWorker
@@ -46,7 +47,8 @@ def test_one_that_outlives_the_wait_stops_the_engine_after_the_copy(
 
 
 def test_without_kv_caches_is_reported_failed() -> None:
-    w = OffloadWorker(num_cpu_blocks=4, bytes_per_block=1024, num_gpu_blocks=8)
+    config, _ = parse_config({"cpu_bytes_to_use": 4096}, 1)
+    w = OffloadWorker(config, num_gpu_blocks=8)
     w.store_after_forward(KVOffloadMetadata(store_after_forward=(1, ids(1), ids(0), ["r"])))
     meta = w.take_worker_meta()
     assert meta is not None

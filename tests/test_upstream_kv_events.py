@@ -30,10 +30,6 @@ DISK_GAP = (
     "STORAGE medium"
 )
 HMA_GAP = "several KV-cache groups: kvoffload is not SupportsHMA and refuses them at construction"
-DCP_GAP = (
-    "DCP block size: kvoffload's CPU events give the per-rank block size (16), not the "
-    "block_size x dcp tokens vLLM hashes"
-)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +200,6 @@ def test_lazy_store_emits_block_stored(model: Path) -> None:
         assert e.locality == "LOCAL"
 
 
-@pytest.mark.xfail(strict=True, reason=DCP_GAP)
 def test_cp_world_size_scales_block_size(model: Path) -> None:
     h = SchedHarness(model, dcp=2, events=True)
     eager_store(h, num_blocks=1)

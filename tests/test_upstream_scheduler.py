@@ -13,14 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload import ConfigError
 from sched_harness import BLOCK_SIZE, SchedHarness, Step, model_config_dir
 
 BS = BLOCK_SIZE
-
-DCP_GAP = (
-    "DCP block size: kvoffload plans with the per-rank block size (16) while vLLM hashes "
-    "and schedules blocks of block_size x dcp tokens"
-)
 
 
 @pytest.fixture(scope="module")
@@ -297,10 +293,10 @@ def test_inflight_finish_deferred_cleanup(model: Path) -> None:
 
 @pytest.mark.xfail(
     strict=True,
+    raises=ConfigError,
     reason=(
-        "sliding-window groups: kvoffload is not SupportsHMA; it keeps the block ids vLLM "
-        "scheduled and plans stores of blocks that vLLM already freed from the window "
-        "(null blocks in vLLM's table)"
+        "sliding-window groups: kvoffload is not SupportsHMA; rather than store blocks vLLM "
+        "already freed from the window, it refuses the group at construction"
     ),
 )
 def test_multi_group_null_blocks_skipped(model: Path) -> None:
@@ -483,14 +479,10 @@ def test_reset_pending_loads(model: Path) -> None:
 # ---- context parallelism ----------------------------------------------------------------------
 
 
-def cp_xfail(dcp: int) -> list:
-    return [pytest.mark.xfail(strict=True, reason=DCP_GAP)] if dcp > 1 else []
-
-
 CP_SIZES = [
-    pytest.param(2, 1, marks=cp_xfail(2), id="dcp2"),
+    pytest.param(2, 1, id="dcp2"),
     pytest.param(1, 2, id="pcp2"),
-    pytest.param(2, 2, marks=cp_xfail(2), id="dcp2-pcp2"),
+    pytest.param(2, 2, id="dcp2-pcp2"),
 ]
 
 
@@ -549,22 +541,7 @@ def test_cp_effective_block_size_store_and_load(model: Path, dcp: int, pcp: int)
     h.assert_idle()
 
 
-LAZY_DCP_GAP = (
-    "DCP lazy target: kvoffload's lazy watermark counts per-rank blocks "
-    "(2 x 64 tokens / 16 = 8 blocks) where each vLLM block covers 16 x dcp tokens"
-)
-
-
-@pytest.mark.parametrize(
-    "cp",
-    [
-        1,
-        *(
-            pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=LAZY_DCP_GAP))
-            for n in (2, 4)
-        ),
-    ],
-)
+@pytest.mark.parametrize("cp", [1, 2, 4])
 def test_cp_lazy_target_blocks_scaling(model: Path, cp: int) -> None:
     # Lazy mode keeps two steps' worth of tokens (2 x max_num_batched_tokens = 128)
     # offloaded ahead of eviction: 8 vLLM blocks, 8 / cp when each covers 16 x cp tokens.

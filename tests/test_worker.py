@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 
 import torch
 
+from kvoffload import parse_config
 from kvoffload import worker as worker_mod
 from kvoffload.metadata import KVOffloadMetadata
 from kvoffload.worker import OffloadWorker
@@ -23,7 +24,11 @@ def ids(*xs: int) -> bytes:
 def make_worker(faults: str | None = None) -> tuple[OffloadWorker, dict[str, torch.Tensor]]:
     kv = {f"layer{i}": torch.randn(8, 2, 16, 8) for i in range(2)}
     per_block = sum(t[0].numel() * t.element_size() for t in kv.values())
-    w = OffloadWorker(num_cpu_blocks=4, bytes_per_block=per_block, num_gpu_blocks=8, faults=faults)
+    extra: dict[str, object] = {"cpu_bytes_to_use": 4 * per_block}
+    if faults:
+        extra["kvoffload.faults"] = faults
+    config, _ = parse_config(extra, 1)
+    w = OffloadWorker(config, num_gpu_blocks=8)
     w.register_kv_caches(kv)
     return w, kv
 

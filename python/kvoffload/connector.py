@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvoffload._native import ConfigError, parse_config
-from kvoffload.metadata import KVOffloadMetadata
+from kvoffload.metadata import KVOffloadHandshake, KVOffloadMetadata
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.stats import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm_adapter import (
     HOST_HIT_SOURCE,
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorPromMetrics,
     KVConnectorRole,
@@ -24,9 +25,11 @@ from kvoffload.vllm_adapter import (
     kv_in_host_memory,
     logger,
     max_num_batched_tokens,
+    model_name,
     num_gpu_blocks,
     num_kv_groups,
     prefix_caching_enabled,
+    unsupported_kv_groups,
     world_size,
 )
 
@@ -69,6 +72,16 @@ class KVOffloadConnector(KVConnectorBase_V1):
             return
         if kv_cache_config is None:
             return
+        unsupported = unsupported_kv_groups(kv_cache_config)
+        if unsupported:
+            kinds = ", ".join(f"group {i}: {kind}" for i, kind in unsupported)
+            msg = (
+                f"KVOffloadConnector cannot offload model {model_name(vllm_config)}: its "
+                f"KV-cache groups include kinds other than full attention ({kinds}); "
+                "kvoffload offloads full-attention (and MLA) KV only"
+            )
+            logger.error(msg)
+            raise ConfigError(msg)
         groups = num_kv_groups(kv_cache_config)
         if groups != 1:
             msg = (
@@ -77,6 +90,16 @@ class KVOffloadConnector(KVConnectorBase_V1):
             )
             logger.error(msg)
             raise ConfigError(msg)
+        if role != KVConnectorRole.SCHEDULER:
+            from kvoffload.worker import OffloadWorker
+
+            self._worker = OffloadWorker(config, num_gpu_blocks=num_gpu_blocks(kv_cache_config))
+            if config.faults:
+                logger.warning("KVOffloadConnector: injecting copy faults: %s", config.faults)
+            return
+        # The scheduler sees one rank's KV cache config (the first one's); until every
+        # rank reports its own pool (`set_xfer_handshake_metadata_pp_aware`), this is
+        # its estimate. A rank's transfer engine refuses CPU ids past its pool anyway.
         per_block = bytes_per_block(kv_cache_config)
         num_cpu_blocks = config.num_cpu_blocks(per_block)
         if num_cpu_blocks == 0:
@@ -87,38 +110,26 @@ class KVOffloadConnector(KVConnectorBase_V1):
                 per_block,
             )
             return
-        if role == KVConnectorRole.SCHEDULER:
-            host = kv_in_host_memory()
-            sync = config.sync_loads(host)
-            self._scheduler = OffloadScheduler(
-                config,
-                block_size=block_size(kv_cache_config),
-                num_cpu_blocks=num_cpu_blocks,
-                events=event_spec(kv_cache_config) if kv_events_enabled(vllm_config) else None,
-                max_num_batched_tokens=max_num_batched_tokens(vllm_config),
-                sync_loads=sync,
-                # Copies within host memory finish inside the step (load_mode "sync", the
-                # default there), stores included (see wait_for_save).
-                stores_after_forward=sync and host,
-            )
-            logger.info(
-                "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
-                num_cpu_blocks,
-                per_block,
-                num_cpu_blocks * per_block / 2**30,
-                "lazy" if config.lazy_offload else "eager",
-            )
-        else:
-            from kvoffload.worker import OffloadWorker
-
-            self._worker = OffloadWorker(
-                num_cpu_blocks=num_cpu_blocks,
-                bytes_per_block=per_block,
-                num_gpu_blocks=num_gpu_blocks(kv_cache_config),
-                faults=config.faults,
-            )
-            if config.faults:
-                logger.warning("KVOffloadConnector: injecting copy faults: %s", config.faults)
+        host = kv_in_host_memory()
+        sync = config.sync_loads(host)
+        self._scheduler = OffloadScheduler(
+            config,
+            block_size=block_size(kv_cache_config, vllm_config),
+            num_cpu_blocks=num_cpu_blocks,
+            events=event_spec(kv_cache_config) if kv_events_enabled(vllm_config) else None,
+            max_num_batched_tokens=max_num_batched_tokens(vllm_config),
+            sync_loads=sync,
+            # Copies within host memory finish inside the step (load_mode "sync", the
+            # default there), stores included (see wait_for_save).
+            stores_after_forward=sync and host,
+        )
+        logger.info(
+            "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
+            num_cpu_blocks,
+            per_block,
+            num_cpu_blocks * per_block / 2**30,
+            "lazy" if config.lazy_offload else "eager",
+        )
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         # One KV-cache group (checked at construction); vLLM asks for every async load.
@@ -134,6 +145,41 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.bind_gpu_block_pool(gpu_block_pool)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        # Every (pipeline stage, tensor rank) reports; nothing here moves KV between ranks.
+        self._cap_to_ranks(list(metadata.values()))
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._cap_to_ranks(list(metadata.values()))
+
+    def _cap_to_ranks(self, reports: list[KVConnectorHandshakeMetadata]) -> None:
+        """Plans within the smallest rank's pool: ranks size their pools from their own
+        tensors, and no rank may be asked for a CPU block it does not have."""
+        if self._scheduler is None:
+            return
+        sizes = [r.num_cpu_blocks for r in reports if isinstance(r, KVOffloadHandshake)]
+        if not sizes:
+            return
+        smallest = min(sizes)
+        if smallest == 0:
+            logger.warning(
+                "KVOffloadConnector: a rank's cpu budget holds no block of its KV; CPU "
+                "offloading is disabled"
+            )
+            self._scheduler = None
+            return
+        if smallest != self._scheduler.num_cpu_blocks:
+            logger.info(
+                "KVOffloadConnector: ranks hold %s CPU blocks; planning within %d",
+                sorted(set(sizes)),
+                smallest,
+            )
+            self._scheduler.resize(smallest)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -176,6 +222,10 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        # vLLM collects this from every rank after registration, before the first step.
+        return self._worker.handshake() if self._worker is not None else None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, KVOffloadMetadata):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvoffload.vllm_adapter import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvoffload.vllm_adapter import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 #: ``(transfer_id, req_id, gpu_blocks, cpu_blocks, valid, sync)``; block lists are
 #: little-endian ``u32`` bytes, which pickle and cross into Rust without a Python object
@@ -42,3 +46,11 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             transfer_ids=self.transfer_ids + other.transfer_ids,
             ok=self.ok + other.ok,
         )
+
+
+@dataclass
+class KVOffloadHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at startup (after KV caches are registered): the size of
+    this rank's CPU pool, which the scheduler must never plan past."""
+
+    num_cpu_blocks: int

