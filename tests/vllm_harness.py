@@ -128,3 +128,24 @@ def distinct_prompts(n_requests: int, tokens: int, *, seed: int = 0) -> list[lis
 def planner_stats(llm: Any) -> dict[str, int]:
     """The connector planner's counters (in-process engines)."""
     return dict(scheduler_connector(llm).offload_scheduler.planner.stats())
+
+
+def run_script(script: str, env: dict[str, str]) -> dict[str, Any]:
+    """Runs ``script`` in a fresh interpreter (vLLM freezes its environment per process)
+    with ``env`` added, and returns the JSON it printed on a ``RESULT `` line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return dict(json.loads(line[len("RESULT ") :]))
