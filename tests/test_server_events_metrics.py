@@ -47,9 +47,9 @@ class Server:
         self.replay = replay
         self.log = log
 
-    def complete(self, prompt: list[int]) -> dict[str, Any]:
+    def complete(self, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
         body = json.dumps(
-            {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         ).encode()
         req = urllib.request.Request(
             f"{self.base}/v1/completions", body, {"Content-Type": "application/json"}
@@ -250,3 +250,25 @@ def test_metrics_show_offload_series(server: Server) -> None:
     assert metric(text, "vllm:kv_offload_failed_transfers_total", direction="store") == 0
     hits = metric(text, "vllm:kv_offload_hit_tokens_total")
     assert metric(text, "vllm:prompt_tokens_cached_by_source_total", source="host") == hits
+
+
+def test_concurrent_completions_match_vllm_without_kvoffload(
+    server: Server, tiny_model: Path
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_harness import engine
+
+    # 16 requests at once over 4 long shared prefixes: far more KV than the GPU cache holds,
+    # so vLLM evicts and preempts while kvoffload stores and loads.
+    prompts = shared_prefix_prompts(16, 4, system_tokens=5 * BLOCK_TOKENS, tail_tokens=8, seed=7)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: server.complete(p, 16)["choices"][0]["text"], prompts))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with engine(tiny_model) as llm:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        expected = [o.outputs[0].text for o in outs]
+    assert got == expected
