@@ -102,43 +102,12 @@ impl CudaDriver {
         // SAFETY: `version` is a valid out-pointer for the duration of the call.
         let rc = unsafe { get_version(&mut version) };
 
-        let mut absent = Vec::new();
-        macro_rules! required {
-            ($name:literal) => {{
-                // SAFETY: each call site's inferred type is that symbol's cuda.h signature
-                // (see `cuda_sys`).
-                let f = unsafe { symbol(&library, $name) };
-                if f.is_none() {
-                    absent.push($name);
-                }
-                f
-            }};
-        }
-        macro_rules! optional {
-            ($name:literal) => {{
-                // SAFETY: as in `required!`.
-                unsafe { symbol(&library, $name) }
-            }};
-        }
-        let init = required!("cuInit");
-        let device_get = required!("cuDeviceGet");
-        let primary_ctx_retain = required!("cuDevicePrimaryCtxRetain");
-        let primary_ctx_release = required!("cuDevicePrimaryCtxRelease_v2");
-        let ctx_set_current = required!("cuCtxSetCurrent");
-        let stream_create_with_priority = required!("cuStreamCreateWithPriority");
-        let stream_destroy = required!("cuStreamDestroy_v2");
-        let stream_synchronize = required!("cuStreamSynchronize");
-        let stream_wait_event = required!("cuStreamWaitEvent");
-        let event_create = required!("cuEventCreate");
-        let event_record = required!("cuEventRecord");
-        let event_query = required!("cuEventQuery");
-        let event_destroy = required!("cuEventDestroy_v2");
-        let memcpy_async = required!("cuMemcpyAsync");
-        let mem_host_register = required!("cuMemHostRegister_v2");
-        let mem_host_unregister = required!("cuMemHostUnregister");
-        let get_error_name: Option<sys::cuGetErrorName_t> = optional!("cuGetErrorName");
-        let get_error_string: Option<sys::cuGetErrorString_t> = optional!("cuGetErrorString");
-
+        // SAFETY: each type is the symbol's cuda.h signature (see `cuda_sys`).
+        let get_error_name: Option<sys::cuGetErrorName_t> =
+            unsafe { symbol(&library, "cuGetErrorName") };
+        // SAFETY: as above.
+        let get_error_string: Option<sys::cuGetErrorString_t> =
+            unsafe { symbol(&library, "cuGetErrorString") };
         let describe = |call: &str, code: CUresult| {
             describe_error(get_error_name, get_error_string, call.to_owned(), code)
         };
@@ -151,66 +120,59 @@ impl CudaDriver {
                 minimum: MIN_DRIVER_VERSION,
             });
         }
-        let (
-            Some(init),
-            Some(device_get),
-            Some(primary_ctx_retain),
-            Some(primary_ctx_release),
-            Some(ctx_set_current),
-            Some(stream_create_with_priority),
-            Some(stream_destroy),
-            Some(stream_synchronize),
-            Some(stream_wait_event),
-            Some(event_create),
-            Some(event_record),
-            Some(event_query),
-            Some(event_destroy),
-            Some(memcpy_async),
-            Some(mem_host_register),
-            Some(mem_host_unregister),
-        ) = (
-            init,
-            device_get,
-            primary_ctx_retain,
-            primary_ctx_release,
-            ctx_set_current,
-            stream_create_with_priority,
-            stream_destroy,
-            stream_synchronize,
-            stream_wait_event,
-            event_create,
-            event_record,
-            event_query,
-            event_destroy,
-            memcpy_async,
-            mem_host_register,
-            mem_host_unregister,
-        )
-        else {
-            return Err(missing(absent));
-        };
-        let api = Api {
-            init,
-            device_get,
-            primary_ctx_retain,
-            primary_ctx_release,
-            ctx_set_current,
-            stream_create_with_priority,
-            stream_destroy,
-            stream_synchronize,
-            stream_wait_event,
-            event_create,
-            event_record,
-            event_query,
-            event_destroy,
-            memcpy_async,
-            mem_host_register,
-            mem_host_unregister,
-            ctx_get_stream_priority_range: optional!("cuCtxGetStreamPriorityRange"),
-            get_error_name,
-            get_error_string,
-            memcpy_batch_v1: optional!("cuMemcpyBatchAsync"),
-            memcpy_batch_v2: optional!("cuMemcpyBatchAsync_v2"),
+
+        // Every required symbol is looked up before any is unwrapped, so the error lists all
+        // that are absent at once.
+        macro_rules! resolve_api {
+            (
+                required { $($field:ident = $name:literal),* $(,)? }
+                optional { $($opt_field:ident = $opt_name:literal),* $(,)? }
+            ) => {{
+                let mut absent = Vec::new();
+                $(
+                    // SAFETY: each field's type is that symbol's cuda.h signature (see
+                    // `cuda_sys`).
+                    let $field = unsafe { symbol(&library, $name) };
+                    if $field.is_none() {
+                        absent.push($name);
+                    }
+                )*
+                let ($(Some($field),)*) = ($($field,)*) else {
+                    return Err(missing(absent));
+                };
+                Api {
+                    $($field,)*
+                    // SAFETY: as for the required symbols.
+                    $($opt_field: unsafe { symbol(&library, $opt_name) },)*
+                    get_error_name,
+                    get_error_string,
+                }
+            }};
+        }
+        let api = resolve_api! {
+            required {
+                init = "cuInit",
+                device_get = "cuDeviceGet",
+                primary_ctx_retain = "cuDevicePrimaryCtxRetain",
+                primary_ctx_release = "cuDevicePrimaryCtxRelease_v2",
+                ctx_set_current = "cuCtxSetCurrent",
+                stream_create_with_priority = "cuStreamCreateWithPriority",
+                stream_destroy = "cuStreamDestroy_v2",
+                stream_synchronize = "cuStreamSynchronize",
+                stream_wait_event = "cuStreamWaitEvent",
+                event_create = "cuEventCreate",
+                event_record = "cuEventRecord",
+                event_query = "cuEventQuery",
+                event_destroy = "cuEventDestroy_v2",
+                memcpy_async = "cuMemcpyAsync",
+                mem_host_register = "cuMemHostRegister_v2",
+                mem_host_unregister = "cuMemHostUnregister",
+            }
+            optional {
+                ctx_get_stream_priority_range = "cuCtxGetStreamPriorityRange",
+                memcpy_batch_v1 = "cuMemcpyBatchAsync",
+                memcpy_batch_v2 = "cuMemcpyBatchAsync_v2",
+            }
         };
         let batch = choose_batch_api(
             version,
