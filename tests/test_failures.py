@@ -64,6 +64,19 @@ def test_failed_loads_are_recomputed_with_identical_tokens(
         assert cpu_hit_tokens(llm) > 0
 
 
+@pytest.mark.timeout(300)
+def test_loads_that_always_fail_end_in_recompute_not_a_loop(
+    tiny_model: Path, reference: list[list[int]]
+) -> None:
+    # vLLM asks again for a request whose first asynchronously loaded block failed; the
+    # same CPU hit offered again would fail again, forever.
+    cfg = faulty("fail_loads_every=1", load_mode="async")
+    with engine(tiny_model, cfg, **ENGINE_ARGS) as llm:
+        first, again = run_twice(llm)
+        assert (first, again) == (reference, reference)
+        assert planner_stats(llm)["failed_loads"] > 0
+
+
 def test_failed_stores_are_never_served(tiny_model: Path, reference: list[list[int]]) -> None:
     with engine(tiny_model, faulty("fail_stores_every=2"), **ENGINE_ARGS) as llm:
         first, again = run_twice(llm)

@@ -169,6 +169,25 @@ impl<P: EvictionPolicy> BlockCache<P> {
         self.unpin(block)
     }
 
+    /// Drops a `Ready` block from the index so no lookup serves it again: a load from it
+    /// failed, so neither its bytes nor the path to them can be trusted, and a request
+    /// that would be offered it again could fail forever. An unpinned block is freed at
+    /// once, a pinned one when its last pin drops. Other states are left alone.
+    pub fn invalidate(&mut self, block: BlockId) -> Result<(), PoolError> {
+        if self.pool.state(block) != Some(BlockState::Ready) {
+            return Ok(());
+        }
+        if let Some(key) = self.pool.key(block) {
+            self.events.push_removed(key.group, key.hash);
+        }
+        self.detach(block)?;
+        if self.pool.ref_count(block) == Some(0) {
+            self.policy.remove(block);
+            self.pool.release(block)?;
+        }
+        Ok(())
+    }
+
     /// Drops every block from the index: unpinned blocks are freed at once, pinned ones
     /// when their transfers finish. Nothing stored before the reset is served after it.
     pub fn clear(&mut self) {
@@ -362,6 +381,7 @@ mod tests {
         Publish(u8),
         Abort(u8),
         Lookup(u8),
+        Invalidate(u8),
         Release(u8),
         Clear,
     }
@@ -372,6 +392,7 @@ mod tests {
             4 => any::<u8>().prop_map(Op::Publish),
             1 => any::<u8>().prop_map(Op::Abort),
             4 => any::<u8>().prop_map(Op::Lookup),
+            1 => any::<u8>().prop_map(Op::Invalidate),
             4 => any::<u8>().prop_map(Op::Release),
             1 => Just(Op::Clear),
         ]
@@ -424,6 +445,14 @@ mod tests {
                             prop_assert!(servable.contains(&k), "served a key whose store did not complete");
                             cache.pin(b).unwrap();
                             lookup_pins.push(b);
+                        }
+                    }
+                    Op::Invalidate(k) => {
+                        let k = key(u128::from(k % 24));
+                        if let Some(b) = cache.index().get(&k) {
+                            cache.invalidate(b).unwrap();
+                            prop_assert!(cache.get_ready(&k).is_none(), "an invalidated key is served");
+                            servable.remove(&k);
                         }
                     }
                     Op::Release(i) if !lookup_pins.is_empty() => {

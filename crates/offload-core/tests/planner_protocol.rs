@@ -113,6 +113,39 @@ fn load_without_a_hit_is_reported_failed_not_stranded() {
     assert_eq!(p.stats().failed_loads, 1);
 }
 
+/// vLLM looks a request up again when the first block of its asynchronous load failed.
+/// Offering the same blocks again would fail the same way, forever: a failed load's
+/// blocks are never served again, and the ones a concurrent load still holds are freed
+/// when it lets go.
+#[test]
+fn a_failed_load_is_not_offered_again() {
+    let mut p = planner(16, 1, false);
+    let h = hashes(1, 4);
+    store_prompt(&mut p, "a", &h, 0);
+    p.take_events();
+    assert_eq!(p.lookup("b", &h, 65, 0), Ok(64));
+    assert_eq!(p.lookup("c", &h[..2], 33, 0), Ok(32));
+    p.on_alloc("b", &[20, 21, 22, 23, 24], 0, 64).unwrap();
+    p.on_alloc("c", &[30, 31, 32], 0, 32).unwrap();
+    let loads = idle_step(&mut p).loads;
+    assert_eq!(loads.len(), 2);
+    p.complete(loads[0].id, false).unwrap();
+    assert_eq!(p.take_completions().load_error_blocks, vec![20, 21, 22, 23]);
+
+    assert_eq!(p.lookup("b", &h, 65, 0), Ok(0));
+    assert_eq!(p.cache().ready_prefix(0, &h), 0);
+    assert!(p.take_events().contains(&KvEvent::Removed {
+        group: 0,
+        hashes: h.clone(),
+    }));
+    // "c" still reads its two blocks; they go back to the free list when it is done.
+    assert_eq!(p.cache().pool().num_free(), 14);
+    p.complete(loads[1].id, true).unwrap();
+    assert_eq!(p.cache().pool().num_free(), 16);
+    assert_eq!(pinned(&p), 0);
+    p.cache().check_invariants().unwrap();
+}
+
 #[test]
 fn load_for_a_request_never_looked_up_is_an_error_only_if_it_moves_tokens() {
     let mut p = planner(16, 1, false);

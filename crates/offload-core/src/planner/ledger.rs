@@ -160,6 +160,11 @@ impl Planner {
                 sync,
             } => {
                 for b in blocks {
+                    // A failed load's blocks leave the index: vLLM asks again for a request
+                    // whose first loaded block failed, and the same hit would fail again.
+                    if job.failed {
+                        let _ = self.cache.invalidate(b);
+                    }
                     let _ = self.cache.unpin(b);
                 }
                 if job.failed {

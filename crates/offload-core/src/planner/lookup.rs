@@ -21,7 +21,8 @@ impl Planner {
     /// least one token before the end (the last token is always recomputed), and is
     /// pinned until [`Self::on_alloc`] or [`Self::request_finished`]. Asking again is
     /// answered from the pinned result unless the GPU hit moved, the request's hashes
-    /// changed, or the index gained the block after it.
+    /// changed, a failed load invalidated a pinned block, or the index gained the block
+    /// after it.
     pub fn lookup<H: HashSource + ?Sized>(
         &mut self,
         req: &str,
@@ -54,11 +55,14 @@ impl Planner {
                 Some(last) if end > 0 && end <= limit => hashes.hash(end - 1).map_err(bad)? == last,
                 _ => true,
             };
+            // A failed load elsewhere may have invalidated pinned blocks meanwhile.
+            let still_ready = || hit.blocks.iter().all(|&b| self.cache.is_ready(b));
             if same_run
                 && hit.num_tokens == num_tokens
                 && hit.start <= start
                 && start <= end
                 && end <= limit
+                && still_ready()
             {
                 let covered = start - hit.start;
                 let mut grew = Vec::new();
