@@ -28,6 +28,9 @@ step "index: vLLM BlockPool vs kvoffload"
 "$PY" benches/compare_index.py "${smoke[@]}" --json "$OUT/compare_index.json"
 "$PY" benches/compare_index.py "${smoke[@]}" --order grouped --json "$OUT/compare_index_grouped.json"
 
+step "copy runs per step by vLLM KV layout"
+"$PY" benches/kv_layouts.py "${smoke[@]}" --json "$OUT/kv_layouts.json"
+
 step "scheduler: SimpleCPUOffloadConnector vs kvoffload"
 "$PY" benches/compare_scheduler.py "${smoke[@]}" --quiet --json "$OUT/compare_scheduler.json"
 

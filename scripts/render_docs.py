@@ -536,6 +536,31 @@ def rust_transfer() -> str:
     )
 
 
+@region("kv-layouts")
+def kv_layouts_table() -> str:
+    d = load_json("benchmarks/kv_layouts.json")
+    p = d["params"]
+    first = d["rows"][0]
+    rows = [
+        "| vLLM KV layout | regions | copy runs per step | bytes per run |",
+        "|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        rows.append(
+            f"| `{r['layout']}` | {r['regions']} | {sig(r['runs_per_step'])} "
+            f"| {sig(r['bytes_per_run'] / 1024)} KiB |"
+        )
+    return (
+        f"{p['layers']} layers, {p['kv_heads']} KV heads of {p['head_size']}, fp16, 16-token "
+        f"blocks ({sig(first['block_bytes'] / 2**20)} MiB per block); "
+        f"{first['blocks_per_step']} blocks stored per step ({p['requests']} requests x "
+        f"{p['blocks_per_request']} consecutive blocks at random GPU ids), mean of "
+        f"{p['steps']} steps ({machine_line(d['machine'])}):\n\n"
+        + "\n".join(rows)
+        + f"\n\nThe block-outer layout needs {ratio(d['fewer_runs'])} fewer copy runs per step.\n"
+    )
+
+
 @region("e2e")
 def e2e_table() -> str:
     d = load_json("benchmarks/e2e.json")

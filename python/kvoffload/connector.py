@@ -29,6 +29,7 @@ from kvoffload.vllm_adapter import (
     num_gpu_blocks,
     num_kv_groups,
     prefix_caching_enabled,
+    requested_kv_cache_layout,
     unsupported_kv_groups,
     world_size,
 )
@@ -130,6 +131,12 @@ class KVOffloadConnector(KVConnectorBase_V1):
             num_cpu_blocks * per_block / 2**30,
             "lazy" if config.lazy_offload else "eager",
         )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # Asked once, before any connector exists, to pick how the KV cache is laid out.
+        config, _ = parse_config(extra_config(vllm_config), world_size(vllm_config))
+        return requested_kv_cache_layout(config.kv_cache_layout)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         # One KV-cache group (checked at construction); vLLM asks for every async load.

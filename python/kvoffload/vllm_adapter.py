@@ -48,6 +48,7 @@ __all__ = [
     "kv_regions",
     "logger",
     "request_block_meta",
+    "requested_kv_cache_layout",
 ]
 
 logger = init_logger("kvoffload")
@@ -397,6 +398,40 @@ def all_blocks_cleared() -> Any:
     return AllBlocksCleared()
 
 
+#: Where a block of every layer is one contiguous run, keeping FlashAttention's preferred
+#: block interior (tokens, then heads): one copy per block instead of one per layer.
+BLOCK_OUTER_LAYOUT = "BLNHC"
+
+
+def requested_kv_cache_layout(setting: str) -> str | None:
+    """The KV cache layout name to ask vLLM for, given the ``kv_cache_layout`` key
+    (``"auto"``, ``"engine"`` or a vLLM layout name), or ``None`` to ask for nothing.
+
+    ``"auto"`` asks for :data:`BLOCK_OUTER_LAYOUT` on CUDA only: vLLM's CPU backend reads
+    one layout, and vLLM would log a warning on every start before ignoring the request.
+    """
+    if setting == "engine":
+        return None
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:  # pragma: no cover - vLLM before named layouts
+        KVCacheLayout = None  # noqa: N806
+    if setting == "auto":
+        from vllm.platforms import current_platform
+
+        on_cuda = current_platform.is_cuda()
+        return BLOCK_OUTER_LAYOUT if on_cuda and KVCacheLayout is not None else None
+    if KVCacheLayout is None or setting not in KVCacheLayout.__members__:
+        from kvoffload._native import ConfigError
+
+        known = sorted(KVCacheLayout.__members__) if KVCacheLayout is not None else []
+        raise ConfigError(
+            f"kv_cache_layout={setting!r} is not a KV cache layout of this vLLM "
+            f'(known: {", ".join(known) or "none"}); use "auto", "engine" or one of them'
+        )
+    return setting
+
+
 # ---- KV tensors (worker side) -------------------------------------------------------------
 
 
@@ -413,23 +448,21 @@ class Region:
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Region]:
     """Block-major regions covering every registered KV tensor, deduplicated by address.
 
-    Handles vLLM's layouts where the block dimension is first (CPU backend, FlashInfer:
-    ``[num_blocks, ...]``) or second after a K/V split (FlashAttention:
-    ``[2, num_blocks, ...]``). The bytes of one block must be contiguous.
+    Handles vLLM's layouts where the block dimension is first (vLLM >= 0.32's
+    ``[B, H, N, C]`` views in any of its layouts, the CPU backend, FlashInfer) or second
+    after a K/V split (older FlashAttention: ``[2, num_blocks, ...]``). A block whose
+    bytes are one dense run, in any axis order, is one region (copies move whole blocks,
+    so the order inside does not matter); one whose bytes are spread (layouts with the
+    head axis outside the block axis, ``LHBNC``, ``BHLNC``) is split into dense slices.
     """
     regions: dict[int, Region] = {}
     for name, t in kv_caches.items():
         tensors = t if isinstance(t, (list, tuple)) else [t]
         for tensor in tensors:
             parts = _block_major_parts(name, tensor, num_blocks)
-            for part in parts:
+            for part in (dense for p in parts for dense in _dense_slices(p)):
                 es = part.element_size()
                 block_bytes = part[0].numel() * es
-                if not part[0].is_contiguous():
-                    raise ValueError(
-                        f"kvoffload: KV tensor {name} {tuple(tensor.shape)} has "
-                        "non-contiguous blocks; this layout is not supported"
-                    )
                 region = Region(
                     base=part.data_ptr(),
                     num_blocks=int(part.shape[0]),
@@ -437,7 +470,55 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Regi
                     block_stride=part.stride(0) * es,
                 )
                 regions.setdefault(region.base, region)
-    return list(regions.values())
+    return merge_adjacent_regions(list(regions.values()))
+
+
+def merge_adjacent_regions(regions: list[Region]) -> list[Region]:
+    """Joins regions that are one region's consecutive slices: where a region's block
+    starts right after another's ends at the same block stride (block-outer layouts put
+    one block of every layer side by side), a block of both is one contiguous run and
+    costs one copy. The rest keep their order (a CPU block holds the regions' bytes in
+    this order)."""
+    merged: list[tuple[int, Region]] = []
+    for order, r in sorted(enumerate(regions), key=lambda e: e[1].base):
+        if merged:
+            first, last = merged[-1]
+            if (
+                r.base == last.base + last.block_bytes
+                and r.num_blocks == last.num_blocks
+                and r.block_stride == last.block_stride
+                and last.block_bytes + r.block_bytes <= r.block_stride
+            ):
+                joined = Region(
+                    last.base, last.num_blocks, last.block_bytes + r.block_bytes, r.block_stride
+                )
+                merged[-1] = (min(first, order), joined)
+                continue
+        merged.append((order, r))
+    return [r for _, r in sorted(merged, key=lambda e: e[0])]
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one gap-free span of memory, whatever the axis order
+    (vLLM's ``LBNHC`` layout views a block as ``[H, N, C]`` with N outer in memory)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _dense_slices(part: torch.Tensor) -> list[torch.Tensor]:
+    """``part`` (block axis first) cut along its outermost inner axes until each slice
+    holds one dense run per block."""
+    if _is_dense(part[0]):
+        return [part]
+    inner = [d for d in range(1, part.dim()) if part.shape[d] > 1]
+    outer = max(inner, key=part.stride)
+    return [s for i in range(part.shape[outer]) for s in _dense_slices(part.select(outer, i))]
 
 
 def _block_major_parts(name: str, t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:

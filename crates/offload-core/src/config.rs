@@ -14,6 +14,8 @@ pub const KEY_CPU_BYTES_PER_RANK: &str = "cpu_bytes_to_use_per_rank";
 pub const KEY_LAZY: &str = "lazy_offload";
 /// Key: how loads are scheduled: `"auto"`, `"sync"` or `"async"` (see [`LoadMode`]).
 pub const KEY_LOAD_MODE: &str = "load_mode";
+/// Key: the KV cache layout the connector asks vLLM for (see [`KvCacheLayout`]).
+pub const KEY_KV_CACHE_LAYOUT: &str = "kv_cache_layout";
 /// Key (tests only): faults to inject into the copy engine. Kept here as the raw string
 /// [`OffloadConfig::faults`]; the transfer engine, which owns fault injection, parses it
 /// (`FaultPlan::from_config_value`).
@@ -41,6 +43,25 @@ impl LoadMode {
             Self::Async => false,
         }
     }
+}
+
+/// Which KV cache layout the connector asks vLLM for.
+///
+/// vLLM lays the KV cache of every layer out in one allocation, in an order named after
+/// its axes (L layer, B block, H head, N token, C content). Where B is outermost
+/// (`BLNHC`, `BLHNC`), one block of every layer is one contiguous run of bytes, so
+/// offloading a block is one copy instead of one per layer. vLLM uses the request only
+/// where every attention backend supports it, and `VLLM_KV_CACHE_LAYOUT` overrides it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KvCacheLayout {
+    /// Block-outermost on GPUs; on vLLM's CPU backend (which supports one layout) nothing.
+    #[default]
+    Auto,
+    /// Ask for nothing: the attention backend's preference stands.
+    Engine,
+    /// One of vLLM's layout names (upper case), e.g. `"BLNHC"`.
+    Named(String),
 }
 
 /// The default total budget when neither byte key is given: 8 GiB.
@@ -92,6 +113,7 @@ impl fmt::Display for ConfigValue {
 /// assert!(parsed.warnings.is_empty());
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OffloadConfig {
     /// Bytes of host memory this rank may use for offloaded blocks.
     pub cpu_bytes_per_rank: u64,
@@ -106,6 +128,8 @@ pub struct OffloadConfig {
     pub world_size: u32,
     /// The remote tier, `None` without `remote_url`.
     pub remote: Option<RemoteConfig>,
+    /// The KV cache layout to ask vLLM for.
+    pub kv_cache_layout: KvCacheLayout,
 }
 
 /// The result of parsing: the config plus warnings the caller should log.
@@ -153,6 +177,10 @@ impl OffloadConfig {
             None | Some(ConfigValue::Null) => LoadMode::Auto,
             Some(v) => parse_load_mode(v)?,
         };
+        let kv_cache_layout = match map.get(KEY_KV_CACHE_LAYOUT) {
+            None | Some(ConfigValue::Null) => KvCacheLayout::Auto,
+            Some(v) => parse_kv_cache_layout(v)?,
+        };
         let faults = match map.get(KEY_FAULTS) {
             None | Some(ConfigValue::Null) => None,
             Some(ConfigValue::Str(spec)) if spec.trim().is_empty() => None,
@@ -187,6 +215,7 @@ impl OffloadConfig {
                 KEY_CPU_BYTES_PER_RANK,
                 KEY_LAZY,
                 KEY_LOAD_MODE,
+                KEY_KV_CACHE_LAYOUT,
             ];
             if !known.contains(&key.as_str())
                 && !crate::tier::config::REMOTE_KEYS.contains(&key.as_str())
@@ -206,6 +235,7 @@ impl OffloadConfig {
                 faults,
                 world_size,
                 remote,
+                kv_cache_layout,
             },
             warnings,
         })
@@ -296,6 +326,34 @@ fn parse_load_mode(value: &ConfigValue) -> Result<LoadMode, ConfigError> {
             got: value.to_string(),
         }),
     }
+}
+
+fn parse_kv_cache_layout(value: &ConfigValue) -> Result<KvCacheLayout, ConfigError> {
+    let ConfigValue::Str(s) = value else {
+        return Err(ConfigError::WrongType {
+            key: KEY_KV_CACHE_LAYOUT.to_string(),
+            expected: "a string: \"auto\", \"engine\" or a vLLM layout name like \"BLNHC\"",
+            got: value.to_string(),
+        });
+    };
+    let name = s.trim();
+    match name.to_ascii_lowercase().as_str() {
+        "auto" => return Ok(KvCacheLayout::Auto),
+        "engine" => return Ok(KvCacheLayout::Engine),
+        _ => {}
+    }
+    let upper = name.to_ascii_uppercase();
+    let mut axes: Vec<char> = upper.chars().collect();
+    axes.sort_unstable();
+    if axes != ['B', 'C', 'H', 'L', 'N'] {
+        return Err(ConfigError::InvalidValue {
+            key: KEY_KV_CACHE_LAYOUT.to_string(),
+            value: value.to_string(),
+            reason: "must be \"auto\", \"engine\" or a vLLM layout name: the axes L, B, H, \
+                     N, C once each, e.g. \"BLNHC\"",
+        });
+    }
+    Ok(KvCacheLayout::Named(upper))
 }
 
 pub(crate) fn parse_bool(key: &str, value: &ConfigValue) -> Result<bool, ConfigError> {
@@ -443,6 +501,32 @@ mod tests {
         assert!(!LoadMode::Auto.is_sync(false));
         assert!(LoadMode::Sync.is_sync(false));
         assert!(!LoadMode::Async.is_sync(true));
+    }
+
+    #[test]
+    fn kv_cache_layout_parses_and_names_bad_values() {
+        let layout = |v: &str| {
+            parse(&[(KEY_KV_CACHE_LAYOUT, ConfigValue::Str(v.into()))], 1)
+                .map(|p| p.config.kv_cache_layout)
+        };
+        assert_eq!(
+            parse(&[], 1).unwrap().config.kv_cache_layout,
+            KvCacheLayout::Auto
+        );
+        assert_eq!(layout("Engine").unwrap(), KvCacheLayout::Engine);
+        assert_eq!(
+            layout("blnhc").unwrap(),
+            KvCacheLayout::Named("BLNHC".into())
+        );
+        for bad in ["BLNH", "BLNHH", "NHD", ""] {
+            let msg = layout(bad).unwrap_err().to_string();
+            assert!(msg.contains(KEY_KV_CACHE_LAYOUT), "{msg}");
+            assert!(msg.contains(&format!("\"{bad}\"")), "{msg}");
+        }
+        let msg = parse(&[(KEY_KV_CACHE_LAYOUT, ConfigValue::Int(1))], 1)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains(KEY_KV_CACHE_LAYOUT), "{msg}");
     }
 
     #[test]

@@ -77,7 +77,7 @@ pub mod tier;
 pub mod transfer;
 
 pub use cache::BlockCache;
-pub use config::{ConfigValue, LoadMode, OffloadConfig, ParsedConfig};
+pub use config::{ConfigValue, KvCacheLayout, LoadMode, OffloadConfig, ParsedConfig};
 pub use error::{ConfigError, HashError, PlanError};
 pub use events::{EventBuffer, KvEvent, PlannerStats};
 pub use evict::{Clock, EvictionPolicy, Lru};

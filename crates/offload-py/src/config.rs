@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use offload_core::OffloadConfig;
+use offload_core::{KvCacheLayout, OffloadConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyMapping;
 
@@ -37,6 +37,16 @@ impl PyOffloadConfig {
     #[getter]
     fn faults(&self) -> Option<String> {
         self.inner.faults.clone()
+    }
+
+    /// The `kv_cache_layout` key: `"auto"`, `"engine"` or a vLLM layout name.
+    #[getter]
+    fn kv_cache_layout(&self) -> String {
+        match &self.inner.kv_cache_layout {
+            KvCacheLayout::Engine => "engine".to_owned(),
+            KvCacheLayout::Named(name) => name.clone(),
+            _ => "auto".to_owned(),
+        }
     }
 
     /// Whether loads are synchronous, given where vLLM keeps the KV cache.
