@@ -101,6 +101,25 @@ def test_lazy_store_and_load_roundtrip(model: Path) -> None:
     h.assert_idle()
 
 
+def test_a_request_that_skips_the_prefix_cache_is_not_offered_a_hit(model: Path) -> None:
+    # Not an upstream scenario: Simple returns no hit for such requests (prompt logprobs
+    # need every prompt token computed) and vLLM discards one anyway; kvoffload must not
+    # even pin blocks for it.
+    h = SchedHarness(model)
+    prompt, _ = store_prompt(h, 2)
+    h.evict_gpu_prefix_cache()
+    lookups = dict(h.planner.stats())["lookups"]
+    req = h.request(prompt, max_tokens=2)
+    req.skip_reading_prefix_cache = True
+    h.scheduler.add_request(req)
+    s = h.step()
+    assert s.lookups[req.request_id] == (0, False)
+    assert dict(h.planner.stats())["lookups"] == lookups
+    assert s.loads == []
+    h.run()
+    h.assert_idle()
+
+
 # ---- de-duplication ---------------------------------------------------------------------------
 
 

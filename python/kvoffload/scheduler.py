@@ -14,6 +14,7 @@ from kvoffload.vllm_adapter import (
     allocated_block_ids,
     logger,
     scheduled_lists,
+    skips_prefix_cache,
 )
 
 #: Lazy mode keeps this many steps' worth of batched tokens offloaded ahead of eviction
@@ -95,6 +96,10 @@ class OffloadScheduler:
         self._hash_lists[req_id] = hashes
         if self._events is not None:
             self._requests[req_id] = request
+        if skips_prefix_cache(request):
+            # vLLM discards any hit for it (prompt logprobs need every prompt token
+            # computed); a lookup would only pin blocks until the allocation drops them.
+            return 0, False
         hit = self._planner.lookup(req_id, hashes, request.num_tokens, num_computed_tokens)
         return hit, hit > 0 and self._async_loads
 

@@ -49,6 +49,7 @@ __all__ = [
     "logger",
     "request_block_meta",
     "requested_kv_cache_layout",
+    "skips_prefix_cache",
 ]
 
 logger = init_logger("kvoffload")
@@ -430,6 +431,12 @@ def requested_kv_cache_layout(setting: str) -> str | None:
             f'(known: {", ".join(known) or "none"}); use "auto", "engine" or one of them'
         )
     return setting
+
+
+def skips_prefix_cache(request: Any) -> bool:
+    """Whether vLLM computes every prompt token of ``request`` whatever is cached (requests
+    with prompt logprobs, pooling requests, an explicit ``skip_reading_prefix_cache``)."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
 
 
 # ---- KV tensors (worker side) -------------------------------------------------------------
