@@ -119,21 +119,88 @@ def _shutdown(llm: Any) -> None:
     ensure_kv_transfer_shutdown()
 
 
+def _one_pass(
+    engine: Any,
+    workload: Workload,
+    vocab: int,
+    params: Any,
+    *,
+    concurrency: int,
+    on_request_done: Callable[[], None],
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Sends every request of ``workload`` to ``engine`` and steps it until all finished;
+    returns each request's record (prompt length, output, time to first token) by id, and
+    the ids in submission order."""
+    from vllm.inputs import TokensPrompt
+
+    conv = _Conversations(workload, vocab)
+    requests: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+
+    def submit(user: int, turn: int) -> None:
+        rid = f"u{user}t{turn}"
+        prompt = conv.prompt(user, turn)
+        requests[rid] = {"user": user, "turn": turn, "prompt_tokens": len(prompt)}
+        order.append(rid)
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+
+    # Turn-major order, at most max_num_seqs requests in flight, one per user: by the time a
+    # user asks again, the other users' turns have passed through the cache. Users join
+    # one after another (a user's first question waits for the previous user's first
+    # token) rather than all at the same instant.
+    waiting = [(u, t) for t in range(workload.turns) for u in range(workload.users)]
+    busy: set[int] = set()
+    started: set[str] = set()
+
+    def ready(u: int, t: int) -> bool:
+        return u not in busy and (t > 0 or u == 0 or f"u{u - 1}t0" in started)
+
+    def refill() -> None:
+        while len(busy) < concurrency:
+            nxt = next(((u, t) for u, t in waiting if ready(u, t)), None)
+            if nxt is None:
+                return
+            waiting.remove(nxt)
+            busy.add(nxt[0])
+            submit(*nxt)
+
+    refill()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                started.add(out.request_id)
+            if not out.finished:
+                continue
+            r = requests[out.request_id]
+            answer = list(out.outputs[0].token_ids)
+            r["output"] = answer
+            r["ttft_s"] = float(out.metrics.first_token_latency)
+            on_request_done()
+            conv.answered(r["user"], r["turn"], answer)
+            busy.discard(r["user"])
+        refill()
+    return requests, order
+
+
 def run(
     spec: EngineSpec,
     kv_transfer_config: dict[str, Any] | None,
     workload: Workload,
     vocab: int,
     on_request_done: Callable[[], None] = lambda: None,
+    *,
+    warm: bool = False,
 ) -> dict[str, Any]:
     """Runs ``workload`` on a fresh engine (shut down afterwards) and returns per-request
     time to first token and output tokens (ordered by user, then turn), wall and process
     CPU time, and the engine's token counters: prompt
-    tokens served from vLLM's own prefix cache, from the connector, and recomputed."""
+    tokens served from vLLM's own prefix cache, from the connector, and recomputed.
+
+    ``warm``: run the workload once first, then drop vLLM's own prefix cache, and measure
+    the second pass (what a connector holds is all that is left of the first)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    conv = _Conversations(workload, vocab)
     params = SamplingParams(temperature=0, max_tokens=workload.output_tokens, ignore_eos=True)
     llm = _engine(spec, kv_transfer_config)
     try:
@@ -146,53 +213,18 @@ def run(
             SamplingParams(max_tokens=2, ignore_eos=True),
             use_tqdm=False,
         )
+        if warm:
+            _one_pass(
+                engine, workload, vocab, params, concurrency=spec.concurrency,
+                on_request_done=lambda: None,
+            )  # fmt: skip
+            llm.reset_prefix_cache()
         before = _counters(llm)
-        requests: dict[str, dict[str, Any]] = {}
-        order: list[str] = []
-
-        def submit(user: int, turn: int) -> None:
-            rid = f"u{user}t{turn}"
-            prompt = conv.prompt(user, turn)
-            requests[rid] = {"user": user, "turn": turn, "prompt_tokens": len(prompt)}
-            order.append(rid)
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
-
-        # Turn-major order, at most max_num_seqs requests in flight, one per user: by the time a
-        # user asks again, the other users' turns have passed through the cache. Users join
-        # one after another (a user's first question waits for the previous user's first
-        # token) rather than all at the same instant.
-        waiting = [(u, t) for t in range(workload.turns) for u in range(workload.users)]
-        busy: set[int] = set()
-        started: set[str] = set()
-
-        def ready(u: int, t: int) -> bool:
-            return u not in busy and (t > 0 or u == 0 or f"u{u - 1}t0" in started)
-
-        def refill() -> None:
-            while len(busy) < spec.concurrency:
-                nxt = next(((u, t) for u, t in waiting if ready(u, t)), None)
-                if nxt is None:
-                    return
-                waiting.remove(nxt)
-                busy.add(nxt[0])
-                submit(*nxt)
-
         t0, c0 = time.perf_counter(), time.process_time()
-        refill()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.outputs and out.outputs[0].token_ids:
-                    started.add(out.request_id)
-                if not out.finished:
-                    continue
-                r = requests[out.request_id]
-                answer = list(out.outputs[0].token_ids)
-                r["output"] = answer
-                r["ttft_s"] = float(out.metrics.first_token_latency)
-                on_request_done()
-                conv.answered(r["user"], r["turn"], answer)
-                busy.discard(r["user"])
-            refill()
+        requests, order = _one_pass(
+            engine, workload, vocab, params, concurrency=spec.concurrency,
+            on_request_done=on_request_done,
+        )  # fmt: skip
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         after = _counters(llm)
         cache = engine.vllm_config.cache_config

@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Time to first token when a long prompt prefix comes from the shared Redis tier, beside a
+local CPU hit and recomputation, on the demo's model (vLLM's CPU backend).
+
+Each user sends one prompt: a long document (``--system-tokens``) and a question, nothing
+shared between users. Four runs, each on a fresh engine, one at a time:
+
+- ``recompute``: plain vLLM computes every prompt (also the reference outputs);
+- ``local``: kvoffload; the prompts run once, vLLM's own prefix cache is dropped, and the
+  second pass is measured (the prefix comes back from this engine's CPU pool);
+- ``remote``: a first kvoffload engine with ``remote_url`` computes the prompts and writes
+  their blocks to the cluster (written behind, flushed at shutdown); a second, fresh engine
+  (an empty CPU pool, as on another replica) is measured: its prefixes come from Redis.
+
+A 3-master Redis Cluster is started on loopback with ``scripts/redis_cluster.sh`` unless
+``--redis-url`` names one. Printed: TTFT mean / p50 / p90 per run, tokens served from the
+connector, and whether outputs are token-identical to ``recompute``.
+
+    .venv/bin/python benches/remote_tier.py --json docs/benchmarks/remote_tier.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, describe, machine, write_json
+
+sys.path.insert(0, str(REPO / "scripts"))
+from demo import demo_model, quiet
+from demo_runner import EngineSpec, Workload, offload_config, run
+
+CLUSTER = REPO / "scripts" / "redis_cluster.sh"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=2000)
+    p.add_argument("--question-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=2, help="vLLM max_num_seqs")
+    p.add_argument("--kv-cache-mib", type=float, default=72, help="vLLM's own KV cache")
+    p.add_argument("--cpu-mib", type=float, default=512, help="the CPU pool")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=1, help="OpenMP threads")
+    p.add_argument("--redis-url", help="an existing cluster (default: start one on loopback)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--log", type=Path, help="vLLM's log (default: the terminal)")
+    p.add_argument("--smoke", action="store_true", help="a tiny workload (CI smoke test)")
+    args = p.parse_args()
+    if args.smoke:
+        args.users, args.system_tokens, args.output_tokens = 2, 300, 2
+    return args
+
+
+def start_cluster() -> tuple[str, str]:
+    out = subprocess.run(
+        ["bash", str(CLUSTER), "start"], check=True, capture_output=True, text=True
+    ).stdout
+    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    return env["REDIS_CLUSTER_DIR"], env["REDIS_CLUSTER_URL"]
+
+
+def stop_cluster(directory: str) -> None:
+    subprocess.run(["bash", str(CLUSTER), "stop", directory], check=False, capture_output=True)
+
+
+def remote_config(cpu_bytes: int, url: str, namespace: str) -> dict[str, Any]:
+    cfg = offload_config(cpu_bytes)
+    cfg["kv_connector_extra_config"].update(remote_url=url, remote_namespace=namespace)
+    return cfg
+
+
+def summary(r: dict[str, Any]) -> dict[str, Any]:
+    ttft = sorted(r["ttft_s"])
+    return {
+        "ttft_mean_ms": 1e3 * statistics.fmean(ttft),
+        "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2],
+        "ttft_p90_ms": 1e3 * ttft[min(len(ttft) - 1, round(0.9 * (len(ttft) - 1)))],
+        "prompt_tokens": r["prompt_tokens"],
+        "connector_hit_tokens": r["cpu_hit_tokens"],
+        "gpu_hit_tokens": r["gpu_hit_tokens"],
+        "recomputed_tokens": r["recomputed_tokens"],
+        "wall_s": r["wall_s"],
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    cluster_dir = None
+    url = args.redis_url
+    if url is None:
+        cluster_dir, url = start_cluster()
+    try:
+        with quiet(args.log) as term:
+            model, vocab, desc = demo_model()
+            import torch  # noqa: F401
+            import vllm  # noqa: F401  (versions in the machine line)
+
+            w = Workload(
+                "unique", args.users, 1, args.system_tokens, args.question_tokens,
+                args.output_tokens,
+            )  # fmt: skip
+            spec = EngineSpec(
+                model, True, args.max_model_len, args.concurrency, int(args.kv_cache_mib * 2**20)
+            )
+            cpu = int(args.cpu_mib * 2**20)
+            namespace = f"bench-{os.getpid()}-{time.time_ns()}"
+            m = machine()
+            term.write(f"machine: {describe(m)}\nmodel: {desc}\n")
+            runs = {"recompute": run(spec, None, w, vocab)}
+            term.write("recompute done\n")
+            runs["local"] = run(spec, offload_config(cpu), w, vocab, warm=True)
+            term.write("local done\n")
+            run(spec, remote_config(cpu, url, namespace), w, vocab)
+            runs["remote"] = run(spec, remote_config(cpu, url, namespace), w, vocab)
+            term.write("remote done\n")
+            reference = runs["recompute"]["outputs"]
+            results = {
+                name: {**summary(r), "identical": r["outputs"] == reference}
+                for name, r in runs.items()
+            }
+            for name, s in results.items():
+                term.write(
+                    f"{name:>10}: TTFT mean {s['ttft_mean_ms']:8.1f} ms (p50 "
+                    f"{s['ttft_p50_ms']:.0f}, p90 {s['ttft_p90_ms']:.0f}); prompt tokens "
+                    f"{s['prompt_tokens']:,}: from kvoffload {s['connector_hit_tokens']:,}, "
+                    f"recomputed {s['recomputed_tokens']:,}; identical: "
+                    f"{'yes' if s['identical'] else 'NO'}\n"
+                )
+            ok = all(s["identical"] for s in results.values())
+            hit = results["remote"]["connector_hit_tokens"] > 0
+            if not hit:
+                term.write("the remote run served nothing from the cluster\n")
+            write_json(
+                args.json,
+                {
+                    "benchmark": "remote_tier",
+                    "machine": m,
+                    "model_description": desc,
+                    "params": {
+                        k: v for k, v in vars(args).items() if k not in ("json", "log", "redis_url")
+                    },
+                    "results": results,
+                },
+            )
+    finally:
+        if cluster_dir is not None:
+            stop_cluster(cluster_dir)
+    return 0 if ok and hit else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
