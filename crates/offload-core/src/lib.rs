@@ -84,7 +84,7 @@ pub use evict::{Clock, EvictionPolicy, Lru};
 pub use index::PrefixIndex;
 pub use key::{BlockHash, BlockId, BlockKey};
 pub use planner::{
-    Completions, HashSource, LazyCandidate, LoadJob, Planner, PlannerConfig, ScheduleKind,
-    ScheduledRequest, StepPlan, StoreJob, TransferId,
+    Completions, FetchJob, HashSource, LazyCandidate, LoadJob, LookupOutcome, Planner,
+    PlannerConfig, RemoteStats, ScheduleKind, ScheduledRequest, StepPlan, StoreJob, TransferId,
 };
 pub use pool::{BlockPool, BlockState, PoolError};

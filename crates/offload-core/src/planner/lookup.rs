@@ -155,6 +155,7 @@ impl Planner {
         num_external_tokens: usize,
     ) -> Result<(), PlanError> {
         let bs = self.block_size();
+        self.forget_remote(req);
         if num_external_tokens == 0 {
             if let Some(r) = self.requests.get_mut(req) {
                 r.release_hit(&mut self.cache);

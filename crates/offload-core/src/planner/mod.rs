@@ -21,6 +21,7 @@
 
 mod ledger;
 mod lookup;
+mod remote;
 mod request;
 mod select;
 mod types;
@@ -36,6 +37,7 @@ use ledger::Ledger;
 use request::{Finishing, Report, Request};
 use select::{select_eager, select_lazy, PendingStore};
 
+pub use remote::{FetchJob, LookupOutcome, RemoteStats};
 pub use types::{
     Completions, HashSource, LazyCandidate, LoadJob, PlannerConfig, ScheduleKind, ScheduledRequest,
     StepPlan, StoreJob, TransferId,
@@ -95,6 +97,8 @@ pub struct Planner {
     pending_store: PendingStore,
     completions: Completions,
     stats: PlannerStats,
+    /// The remote tier behind the CPU tier, if one is attached.
+    remote: Option<Box<remote::RemoteState>>,
 }
 
 impl Planner {
@@ -117,6 +121,7 @@ impl Planner {
             pending_store: PendingStore::default(),
             completions: Completions::default(),
             stats: PlannerStats::default(),
+            remote: None,
         }
     }
 
@@ -228,6 +233,7 @@ impl Planner {
         num_computed_tokens: usize,
     ) -> Result<bool, PlanError> {
         let bs = self.block_size();
+        self.forget_remote(req);
         let Some(mut r) = self.requests.remove(req) else {
             return Ok(false);
         };

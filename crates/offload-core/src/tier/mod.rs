@@ -18,6 +18,23 @@
 //!   thread, in batches, dropping and counting what does not fit.
 //! - [`ProbeQueue`] (scheduler side): existence checks on their own thread, polled without
 //!   blocking, so the scheduler answers "ask again next step" while one is in flight.
+//! - [`WorkerTier`] (worker side): fetches planned by the scheduler into the CPU blocks it
+//!   reserved, and the write-behind of stored blocks.
+//!
+//! # Who does what
+//! The scheduler owns the index, the worker owns the bytes, and they meet only in the
+//! per-step metadata, so a remote hit takes the same path as a store: when the local CPU
+//! hit ends before the prompt's full blocks do, the planner (`Planner::lookup_tiered`)
+//! probes the rest of the chain (one round trip, on the probe thread) and answers
+//! "pending" meanwhile; found blocks get CPU blocks reserved in the index (not yet
+//! served), a fetch job goes to every worker with the step's metadata, each rank fetches
+//! its own shard into those blocks, and once every rank reported, the leading run all of
+//! them filled is published: the next lookup finds it as a local hit, pinned and loaded
+//! as usual. Blocks a rank could not fill are dropped and their hashes remembered (a
+//! bounded set), so the chain is cut there from then on and the request recomputes
+//! instead of being offered the same failing fetch again. Each request gets at most one
+//! remote attempt per prompt length, so no request waits on the store more than one probe
+//! and one fetch, each bounded by the deadline.
 //!
 //! An absent `remote_url` means no tier: nothing here is constructed and nothing runs.
 //!
@@ -39,6 +56,7 @@ mod probe;
 mod redis;
 mod stats;
 pub mod value;
+mod worker;
 mod writer;
 
 use thiserror::Error;
@@ -54,6 +72,7 @@ pub use probe::ProbeQueue;
 pub use redis::{redact_url, RedisStore};
 pub use stats::{TierSnapshot, TierStats};
 pub use value::ValueError;
+pub use worker::{FetchRequest, WorkerTier};
 pub use writer::WriteBehind;
 
 /// A key/value store the tier keeps blocks in.

@@ -92,7 +92,13 @@ impl WriteBehind {
     /// dropped write, when the queue cannot take `payload.len()` more bytes or the writer
     /// stopped.
     pub fn offer(&self, hash: &[u8], payload: Vec<u8>) -> bool {
-        let n = payload.len() as u64;
+        self.offer_with(hash, payload.len(), |out| *out = payload)
+    }
+
+    /// [`Self::offer`] for a payload of `len` bytes that `fill` produces (appending to an
+    /// empty buffer), called only once the queue has room: a dropped write costs no copy.
+    pub fn offer_with(&self, hash: &[u8], len: usize, fill: impl FnOnce(&mut Vec<u8>)) -> bool {
+        let n = len as u64;
         let max = self.max_inflight_bytes;
         let reserved = self
             .shared
@@ -102,9 +108,20 @@ impl WriteBehind {
             })
             .is_ok();
         let Some(tx) = self.tx.as_ref().filter(|_| reserved) else {
+            if reserved {
+                self.shared.inflight.fetch_sub(n, Ordering::AcqRel);
+            }
             bump(&self.stats.writes_dropped, 1);
             return false;
         };
+        let mut payload = Vec::with_capacity(len);
+        fill(&mut payload);
+        if payload.len() != len {
+            // The bound was reserved for `len` bytes; anything else is not this block.
+            self.shared.inflight.fetch_sub(n, Ordering::AcqRel);
+            bump(&self.stats.writes_dropped, 1);
+            return false;
+        }
         self.shared.accepted.fetch_add(1, Ordering::AcqRel);
         let item = Item {
             hash: hash.to_vec(),

@@ -35,6 +35,7 @@ use super::error::{
 };
 use super::fault::FaultInjector;
 use super::host::HostCopyBackend;
+use super::host_blocks::HostBlocks;
 use super::layout::Layout;
 use super::region::RegionSpec;
 use super::shared::Shared;
@@ -449,6 +450,12 @@ impl TransferEngine {
     /// [`wait_for`](Self::wait_for)), or `None` while it works.
     pub fn stopped(&self) -> Option<&str> {
         self.shared.stopped()
+    }
+
+    /// Whole CPU blocks of this engine's host memory, for callers outside the copy thread
+    /// (the remote tier); see [`HostBlocks`] for who may touch which block when.
+    pub fn host_blocks(&self) -> HostBlocks {
+        HostBlocks::new(Arc::clone(&self.layout), Arc::clone(&self.memory))
     }
 
     /// The bytes of CPU block `cpu_id` of region `region`, for tests and debugging.

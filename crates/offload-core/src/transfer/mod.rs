@@ -55,6 +55,7 @@ mod engine;
 mod error;
 pub mod fault;
 mod host;
+mod host_blocks;
 mod layout;
 mod region;
 mod shared;
@@ -71,6 +72,7 @@ pub use error::{
 };
 pub use fault::{FaultInjector, FaultPlan, FaultSpecError};
 pub use host::HostCopyBackend;
+pub use host_blocks::HostBlocks;
 pub use region::{coalesce, CopyRun, RegionSpec};
 pub use stats::TransferStats;
 pub use types::{BlockSide, Completion, Direction, TransferJob};

@@ -1,0 +1,377 @@
+//! The remote tier on the scheduler side: lookups that continue past the local CPU hit
+//! into a shared store, the fetch jobs that bring found blocks into CPU blocks, and the
+//! memory of blocks that failed to come (see [`crate::tier`] for the whole path).
+//!
+//! Nothing here runs without [`Planner::attach_remote`]: [`Planner::lookup_tiered`] is
+//! then [`Planner::lookup`] and one branch.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+
+use foldhash::fast::RandomState;
+use hashbrown::HashMap;
+
+use crate::error::PlanError;
+use crate::key::{BlockHash, BlockId, BlockKey};
+use crate::pool::BlockState;
+use crate::tier::{ProbeQueue, TierSnapshot, TierStats};
+
+use super::types::{HashSource, TransferId};
+use super::{Planner, GROUP};
+
+/// Block hashes whose fetch failed that are remembered, so a chain is cut before them:
+/// enough for every prefix in flight, small enough to never matter in memory.
+const FAILED_MEMORY: usize = 1 << 16;
+
+/// What a lookup answers when a remote tier may hold more of the prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LookupOutcome {
+    /// `tokens` can be loaded from CPU (as [`Planner::lookup`] answers); `remote_tokens`
+    /// of them came from the remote tier for this request.
+    Hit {
+        /// Tokens loadable from CPU.
+        tokens: usize,
+        /// Of those, tokens fetched from the remote tier.
+        remote_tokens: usize,
+    },
+    /// The remote tier is being asked (or fetched from): ask again next step.
+    Pending,
+}
+
+/// A fetch for the workers: bring blocks `hashes` from the remote tier into `cpu_blocks`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchJob {
+    /// Transfer id; each rank reports it with the number of leading blocks it filled.
+    pub id: TransferId,
+    /// The request the fetch is for.
+    pub req_id: String,
+    /// The blocks' hashes, a chain in order.
+    pub hashes: Vec<BlockHash>,
+    /// The CPU blocks reserved for them.
+    pub cpu_blocks: Vec<BlockId>,
+}
+
+/// Counters of the scheduler's side of the remote tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RemoteStats {
+    /// Lookups answered "pending" (probe or fetch in flight).
+    pub pending_lookups: u64,
+    /// Fetch jobs issued.
+    pub fetches: u64,
+    /// Blocks asked for by fetch jobs.
+    pub fetch_blocks: u64,
+    /// Blocks every rank fetched, published to the CPU tier.
+    pub fetched_blocks: u64,
+    /// Blocks some rank could not fetch (missing, corrupt, timed out): recomputed.
+    pub failed_fetch_blocks: u64,
+    /// Tokens of remote-fetched blocks offered in lookups (a request counts once).
+    pub remote_hit_tokens: u64,
+    /// Chains cut at a block whose fetch failed before.
+    pub skipped_failed: u64,
+}
+
+#[derive(Debug)]
+enum Phase {
+    /// A fetch for the request is in flight.
+    Fetching(TransferId),
+    /// The request had its remote attempt for a prompt of `need` full blocks; `pinned`
+    /// are fetched blocks held until the lookup that offers them.
+    Tried {
+        need: usize,
+        pinned: Vec<BlockId>,
+        remote_blocks: usize,
+        counted: bool,
+    },
+}
+
+#[derive(Debug)]
+struct Fetch {
+    req_id: String,
+    need: usize,
+    hashes: Vec<BlockHash>,
+    blocks: Vec<BlockId>,
+    acks: u32,
+    filled: usize,
+}
+
+/// A bounded set, oldest entries forgotten first.
+#[derive(Debug, Default)]
+struct FailedHashes {
+    set: HashSet<BlockHash>,
+    order: VecDeque<BlockHash>,
+}
+
+impl FailedHashes {
+    fn insert(&mut self, h: BlockHash) {
+        if !self.set.insert(h) {
+            return;
+        }
+        self.order.push_back(h);
+        if self.order.len() > FAILED_MEMORY {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+}
+
+/// The remote tier's scheduler-side state.
+#[derive(Debug)]
+pub(super) struct RemoteState {
+    probes: ProbeQueue,
+    tier_stats: Arc<TierStats>,
+    reqs: HashMap<String, Phase, RandomState>,
+    fetches: HashMap<TransferId, Fetch, RandomState>,
+    pending: Vec<FetchJob>,
+    failed: FailedHashes,
+    stats: RemoteStats,
+}
+
+impl Planner {
+    /// Adds a remote tier behind the CPU tier: `probes` answers existence checks (its tier's
+    /// counters are `tier_stats`), and [`Self::lookup_tiered`] uses it.
+    pub fn attach_remote(&mut self, probes: ProbeQueue, tier_stats: Arc<TierStats>) {
+        self.remote = Some(Box::new(RemoteState {
+            probes,
+            tier_stats,
+            reqs: HashMap::with_hasher(RandomState::default()),
+            fetches: HashMap::with_hasher(RandomState::default()),
+            pending: Vec::new(),
+            failed: FailedHashes::default(),
+            stats: RemoteStats::default(),
+        }));
+    }
+
+    /// Whether a remote tier is attached.
+    pub fn has_remote(&self) -> bool {
+        self.remote.is_some()
+    }
+
+    /// [`Self::lookup`], continued into the remote tier when one is attached and the local
+    /// hit ends before the prompt's last full block (the last token is always computed).
+    ///
+    /// The rest of the chain is probed in one round trip on the probe thread; while it (or
+    /// the fetch that follows) is in flight the answer is [`LookupOutcome::Pending`], and
+    /// the server asks again next step. Found blocks get CPU blocks reserved and a
+    /// [`FetchJob`] (see [`Self::take_fetches`]); once every rank reported it
+    /// ([`Self::complete_fetch`]), the next lookup offers them as a local hit. A request
+    /// gets one remote attempt per prompt length: whatever the store did, the next answer
+    /// after it is a hit, never another wait.
+    pub fn lookup_tiered<H: HashSource + ?Sized>(
+        &mut self,
+        req: &str,
+        hashes: &H,
+        num_tokens: usize,
+        num_computed_tokens: usize,
+    ) -> Result<LookupOutcome, PlanError> {
+        let tokens = self.lookup(req, hashes, num_tokens, num_computed_tokens)?;
+        let hit = LookupOutcome::Hit {
+            tokens,
+            remote_tokens: 0,
+        };
+        let Some(remote) = self.remote.as_deref_mut() else {
+            return Ok(hit);
+        };
+        let bs = self.cfg.block_size as usize;
+        if num_computed_tokens % bs != 0 || self.cache.capacity() == 0 {
+            return Ok(hit);
+        }
+        let end = num_computed_tokens / bs + tokens / bs;
+        let need = num_tokens.saturating_sub(1) / bs;
+        match remote.reqs.get_mut(req) {
+            Some(Phase::Fetching(_)) => {
+                remote.stats.pending_lookups += 1;
+                return Ok(LookupOutcome::Pending);
+            }
+            Some(Phase::Tried {
+                need: n,
+                pinned,
+                remote_blocks,
+                counted,
+            }) if *n == need => {
+                // The lookup above pinned what it offers; the fetch's hold can go.
+                for b in pinned.drain(..) {
+                    let _ = self.cache.unpin(b);
+                }
+                let remote_tokens = (*remote_blocks * bs).min(tokens);
+                if !std::mem::replace(counted, true) {
+                    remote.stats.remote_hit_tokens += remote_tokens as u64;
+                }
+                return Ok(LookupOutcome::Hit {
+                    tokens,
+                    remote_tokens,
+                });
+            }
+            Some(Phase::Tried { pinned, .. }) => {
+                // The prompt changed since that attempt: a new one replaces it.
+                for b in pinned.drain(..) {
+                    let _ = self.cache.unpin(b);
+                }
+            }
+            None => {}
+        }
+        if end >= need {
+            return Ok(hit);
+        }
+        let bad = |source| PlanError::BadHash {
+            req_id: req.to_string(),
+            source,
+        };
+        let mut rest = Vec::with_capacity(need - end);
+        for i in end..need {
+            let h = hashes.hash(i).map_err(bad)?;
+            if remote.failed.set.contains(&h) {
+                remote.stats.skipped_failed += 1;
+                break;
+            }
+            rest.push(h);
+        }
+        let keys: Vec<[u8; 16]> = rest.iter().map(|h| h.0.to_le_bytes()).collect();
+        let Some(found) = remote.probes.poll(req, &keys) else {
+            remote.stats.pending_lookups += 1;
+            return Ok(LookupOutcome::Pending);
+        };
+        remote.probes.forget(req);
+        let mut blocks = Vec::new();
+        for h in &rest[..found.min(rest.len())] {
+            // A block another request is storing meanwhile ends the run: it will be
+            // local soon, and a block is never reserved twice.
+            let Some(b) = self.cache.reserve(BlockKey::new(GROUP, *h)) else {
+                break;
+            };
+            blocks.push(b);
+        }
+        if blocks.is_empty() {
+            remote.reqs.insert(
+                req.to_string(),
+                Phase::Tried {
+                    need,
+                    pinned: Vec::new(),
+                    remote_blocks: 0,
+                    counted: true,
+                },
+            );
+            return Ok(hit);
+        }
+        let id = self.ledger.next_id();
+        rest.truncate(blocks.len());
+        remote.stats.fetches += 1;
+        remote.stats.fetch_blocks += blocks.len() as u64;
+        remote.pending.push(FetchJob {
+            id,
+            req_id: req.to_string(),
+            hashes: rest.clone(),
+            cpu_blocks: blocks.clone(),
+        });
+        remote.fetches.insert(
+            id,
+            Fetch {
+                req_id: req.to_string(),
+                need,
+                hashes: rest,
+                blocks,
+                acks: 0,
+                filled: usize::MAX,
+            },
+        );
+        remote.reqs.insert(req.to_string(), Phase::Fetching(id));
+        remote.stats.pending_lookups += 1;
+        Ok(LookupOutcome::Pending)
+    }
+
+    /// Takes the fetch jobs planned since the last call, for the step's metadata.
+    pub fn take_fetches(&mut self) -> Vec<FetchJob> {
+        self.remote
+            .as_deref_mut()
+            .map(|r| std::mem::take(&mut r.pending))
+            .unwrap_or_default()
+    }
+
+    /// One rank reports fetch `id` done with its first `filled` blocks in place. Once
+    /// every rank reported, the blocks all of them filled are published (held for the
+    /// request's next lookup); the rest are dropped and their first hash is remembered, so
+    /// no later lookup is offered the same failing block.
+    pub fn complete_fetch(&mut self, id: TransferId, filled: usize) -> Result<(), PlanError> {
+        let world = self.cfg.world_size;
+        let remote = self
+            .remote
+            .as_deref_mut()
+            .ok_or(PlanError::UnknownTransfer(id))?;
+        let f = remote
+            .fetches
+            .get_mut(&id)
+            .ok_or(PlanError::UnknownTransfer(id))?;
+        f.acks += 1;
+        f.filled = f.filled.min(filled);
+        if f.acks < world {
+            return Ok(());
+        }
+        let Some(f) = remote.fetches.remove(&id) else {
+            return Ok(());
+        };
+        let n = f.filled.min(f.blocks.len());
+        let waiting = matches!(remote.reqs.get(&f.req_id), Some(Phase::Fetching(i)) if *i == id);
+        let mut pinned = Vec::new();
+        for &b in &f.blocks[..n] {
+            // Held for the request's next lookup, unless a reset dropped the block.
+            if waiting && self.cache.pool().state(b) == Some(BlockState::Pending) {
+                let _ = self.cache.pin(b);
+                pinned.push(b);
+            }
+            let _ = self.cache.publish(b);
+        }
+        for &b in &f.blocks[n..] {
+            let _ = self.cache.abort(b);
+        }
+        if let Some(h) = f.hashes.get(n) {
+            remote.failed.insert(*h);
+        }
+        remote.stats.fetched_blocks += n as u64;
+        remote.stats.failed_fetch_blocks += (f.blocks.len() - n) as u64;
+        if waiting {
+            remote.reqs.insert(
+                f.req_id,
+                Phase::Tried {
+                    need: f.need,
+                    pinned,
+                    remote_blocks: n,
+                    counted: false,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Forgets the remote state of `req` (allocated, finished or aborted); blocks held for
+    /// it are released, a fetch in flight still completes into the CPU tier.
+    pub fn forget_remote(&mut self, req: &str) {
+        let Some(remote) = self.remote.as_deref_mut() else {
+            return;
+        };
+        remote.probes.forget(req);
+        if let Some(Phase::Tried { pinned, .. }) = remote.reqs.remove(req) {
+            for b in pinned {
+                let _ = self.cache.unpin(b);
+            }
+        }
+    }
+
+    /// The hashes of CPU blocks (`None` for a block holding none), for writing stored
+    /// blocks to the remote tier under their keys.
+    pub fn block_hashes(&self, blocks: &[BlockId]) -> Vec<Option<BlockHash>> {
+        let pool = self.cache.pool();
+        blocks
+            .iter()
+            .map(|&b| pool.key(b).map(|k| k.hash))
+            .collect()
+    }
+
+    /// Counters of the remote tier's scheduler side and of its probes; `None` without one.
+    pub fn remote_stats(&self) -> Option<(RemoteStats, TierSnapshot)> {
+        self.remote
+            .as_deref()
+            .map(|r| (r.stats, r.tier_stats.snapshot()))
+    }
+}

@@ -1,0 +1,109 @@
+//! [`HostBlocks`]: whole CPU blocks of an engine's host memory, read and written by
+//! callers other than the copy thread (the remote tier's fetches and write-behind).
+//!
+//! A CPU block is one slice per region (the layout is region-major), so a block's bytes
+//! are those slices concatenated in region order: the form the remote tier stores.
+
+use std::sync::Arc;
+
+use super::error::BlockAccessError;
+use super::layout::Layout;
+use crate::memory::HostMemory;
+
+/// Access to whole CPU blocks; keeps the host memory mapped while it lives.
+///
+/// The engine's copy thread writes and reads the same memory, and nothing here can see
+/// which blocks it is using: the caller's protocol must guarantee it. In kvoffload the
+/// scheduler does: a block being fetched is reserved for that fetch (no copy uses it until
+/// every rank reported the fetch), and a block is read for writing behind between its
+/// store's completion and the report of that completion (no copy may reuse it before the
+/// scheduler learns the store finished).
+#[derive(Debug, Clone)]
+pub struct HostBlocks {
+    layout: Arc<Layout>,
+    memory: Arc<HostMemory>,
+}
+
+impl HostBlocks {
+    pub(crate) fn new(layout: Arc<Layout>, memory: Arc<HostMemory>) -> Self {
+        Self { layout, memory }
+    }
+
+    /// Bytes of one CPU block over all regions.
+    pub fn block_bytes(&self) -> usize {
+        self.layout.cpu_block_bytes
+    }
+
+    /// Number of CPU blocks.
+    pub fn num_blocks(&self) -> u32 {
+        self.layout.num_cpu_blocks
+    }
+
+    fn check(&self, cpu_id: u32) -> Result<(), BlockAccessError> {
+        if cpu_id >= self.layout.num_cpu_blocks {
+            return Err(BlockAccessError::InvalidBlock {
+                id: cpu_id,
+                limit: self.layout.num_cpu_blocks,
+            });
+        }
+        Ok(())
+    }
+
+    /// Each region's slice of block `cpu_id`: offset into host memory and length.
+    fn parts(&self, cpu_id: u32) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.layout
+            .regions
+            .iter()
+            .zip(&self.layout.cpu_offsets)
+            .map(move |(r, off)| (off + cpu_id as usize * r.block_bytes(), r.block_bytes()))
+    }
+
+    /// Appends the bytes of block `cpu_id` to `out`.
+    ///
+    /// # Safety
+    /// No thread may write block `cpu_id` during the call (see the type's docs).
+    pub unsafe fn read_block(
+        &self,
+        cpu_id: u32,
+        out: &mut Vec<u8>,
+    ) -> Result<(), BlockAccessError> {
+        self.check(cpu_id)?;
+        out.reserve(self.block_bytes());
+        for (offset, len) in self.parts(cpu_id) {
+            // SAFETY: the layout keeps `offset + len` within the mapping (checked at its
+            // construction, `cpu_id` checked above); the caller guarantees no writer.
+            let part = unsafe { std::slice::from_raw_parts(self.memory.as_ptr().add(offset), len) };
+            out.extend_from_slice(part);
+        }
+        Ok(())
+    }
+
+    /// Overwrites block `cpu_id` with `data`, which must be exactly one block.
+    ///
+    /// # Safety
+    /// No other thread may read or write block `cpu_id` during the call (see the type's
+    /// docs).
+    pub unsafe fn write_block(&self, cpu_id: u32, data: &[u8]) -> Result<(), BlockAccessError> {
+        self.check(cpu_id)?;
+        if data.len() != self.block_bytes() {
+            return Err(BlockAccessError::WrongLength {
+                len: data.len(),
+                expected: self.block_bytes(),
+            });
+        }
+        let mut at = 0;
+        for (offset, len) in self.parts(cpu_id) {
+            // SAFETY: as in `read_block`, and `data` is a separate allocation of exactly
+            // the block's length, so source and destination never overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data.as_ptr().add(at),
+                    self.memory.as_mut_ptr().add(offset),
+                    len,
+                );
+            }
+            at += len;
+        }
+        Ok(())
+    }
+}
