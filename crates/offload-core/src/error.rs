@@ -71,4 +71,15 @@ pub enum PlanError {
         /// Which entry, and why.
         source: HashError,
     },
+    /// A call gave block tables for another number of KV-cache groups than the planner
+    /// was built with.
+    #[error("request `{req_id}`: {got} KV-cache groups given, the planner has {expected}")]
+    GroupMismatch {
+        /// The request the call was about.
+        req_id: String,
+        /// The planner's groups.
+        expected: usize,
+        /// The groups the call gave.
+        got: usize,
+    },
 }

@@ -84,7 +84,8 @@ pub use evict::{Clock, EvictionPolicy, Lru};
 pub use index::PrefixIndex;
 pub use key::{BlockHash, BlockId, BlockKey};
 pub use planner::{
-    Completions, FetchJob, HashSource, LazyCandidate, LoadJob, LookupOutcome, Planner,
-    PlannerConfig, RemoteStats, ScheduleKind, ScheduledRequest, StepPlan, StoreJob, TransferId,
+    Completions, FetchJob, GroupKind, HashSource, LazyCandidate, LoadJob, LookupOutcome, Planner,
+    PlannerConfig, RemoteStats, ScheduleKind, ScheduledGroups, ScheduledRequest, StepPlan,
+    StoreJob, TransferId,
 };
 pub use pool::{BlockPool, BlockState, PoolError};

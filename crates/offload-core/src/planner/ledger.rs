@@ -25,7 +25,9 @@ pub(super) enum JobKind {
     Store {
         entries: Vec<StoreEntry>,
         req_ids: Vec<(String, u64)>,
-        lazy_gpu_blocks: Vec<u32>,
+        /// GPU blocks the caller holds for this store (lazy candidates, or blocks a
+        /// multi-group store reads that the server frees from running requests).
+        held_gpu_blocks: Vec<u32>,
     },
 }
 
@@ -79,7 +81,7 @@ impl Ledger {
 
 impl Planner {
     /// Turns the transfers chosen since the previous step into the step's plan.
-    pub(super) fn issue(&mut self, held_gpu_blocks: Vec<u32>) -> StepPlan {
+    pub(super) fn issue(&mut self, mut held_gpu_blocks: Vec<u32>) -> StepPlan {
         let loads = std::mem::take(&mut self.pending_loads);
         let pending = std::mem::take(&mut self.pending_store);
         if pending.is_empty() {
@@ -109,11 +111,17 @@ impl Planner {
             } else {
                 Vec::new()
             },
+            groups: if self.groups.is_some() {
+                pending.entries.iter().map(|e| e.group).collect()
+            } else {
+                Vec::new()
+            },
         };
-        let lazy_gpu_blocks = if pending.lazy {
+        let job_held = if pending.lazy {
             pending.gpu_blocks
         } else {
-            Vec::new()
+            held_gpu_blocks.extend_from_slice(&pending.held);
+            pending.held
         };
         self.ledger.insert(
             id,
@@ -121,7 +129,7 @@ impl Planner {
                 JobKind::Store {
                     entries: pending.entries,
                     req_ids: pending.req_ids,
-                    lazy_gpu_blocks,
+                    held_gpu_blocks: job_held,
                 },
                 false,
             ),
@@ -187,7 +195,7 @@ impl Planner {
             JobKind::Store {
                 entries,
                 req_ids,
-                lazy_gpu_blocks,
+                held_gpu_blocks,
             } => {
                 if job.failed {
                     self.stats.failed_stores += 1;
@@ -197,7 +205,7 @@ impl Planner {
                 } else {
                     self.publish(&entries);
                 }
-                self.completions.released_gpu_blocks.extend(lazy_gpu_blocks);
+                self.completions.released_gpu_blocks.extend(held_gpu_blocks);
                 if self.cfg.events {
                     self.completions.retired_stores.push(id);
                 }
@@ -217,6 +225,10 @@ impl Planner {
     fn publish(&mut self, entries: &[StoreEntry]) {
         let mut chain = StoredChain::new(GROUP, self.cfg.block_size);
         for e in entries {
+            if e.group != chain.group() {
+                chain.flush(self.cache.events_mut());
+                chain = StoredChain::new(e.group, self.cfg.block_size);
+            }
             // A block detached by a reset while in flight is released, not published.
             let published = self.cache.pool().state(e.block) == Some(BlockState::Pending);
             let _ = self.cache.publish(e.block);

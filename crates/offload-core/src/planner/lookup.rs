@@ -1,7 +1,7 @@
 //! Prefix lookups (with pinning) and turning accepted hits into loads.
 
 use crate::error::PlanError;
-use crate::key::BlockKey;
+use crate::key::{BlockId, BlockKey};
 
 use super::ledger::{Job, JobKind};
 use super::request::Hit;
@@ -30,6 +30,9 @@ impl Planner {
         num_tokens: usize,
         num_computed_tokens: usize,
     ) -> Result<usize, PlanError> {
+        if let Some(kinds) = self.groups.clone() {
+            return self.lookup_groups(req, hashes, num_tokens, num_computed_tokens, &kinds);
+        }
         let bs = self.block_size();
         self.stats.lookups += 1;
         let r = live_entry(&mut self.requests, &mut self.next_serial, req);
@@ -133,6 +136,7 @@ impl Planner {
             num_tokens,
             blocks,
             last,
+            groups: Vec::new(),
         });
         Ok(tokens)
     }
@@ -154,6 +158,13 @@ impl Planner {
         num_computed_tokens: usize,
         num_external_tokens: usize,
     ) -> Result<(), PlanError> {
+        if let Some(kinds) = &self.groups {
+            return Err(PlanError::GroupMismatch {
+                req_id: req.to_string(),
+                expected: kinds.len(),
+                got: 1,
+            });
+        }
         let bs = self.block_size();
         self.forget_remote(req);
         if num_external_tokens == 0 {
@@ -176,7 +187,6 @@ impl Planner {
         };
         let valid =
             num_external_tokens % bs == 0 && k <= hit.blocks.len() && start + k <= gpu_blocks.len();
-        let id = self.ledger.next_id();
         let gpu = gpu_blocks
             .get(start..(start + k).min(gpu_blocks.len()))
             .unwrap_or_default()
@@ -196,9 +206,27 @@ impl Planner {
             }
             Vec::new()
         };
+        self.push_load(req, gpu, blocks, valid, num_external_tokens);
+        Ok(())
+    }
+
+    /// Queues the load of `blocks` into `gpu` for `req` (known to the planner) for the
+    /// next plan, and records it in the ledger.
+    pub(super) fn push_load(
+        &mut self,
+        req: &str,
+        gpu: Vec<u32>,
+        blocks: Vec<BlockId>,
+        valid: bool,
+        num_external_tokens: usize,
+    ) {
+        let id = self.ledger.next_id();
         self.stats.hit_tokens += num_external_tokens as u64;
         self.stats.load_blocks += blocks.len() as u64;
         let sync = self.cfg.sync_loads;
+        let Some(r) = self.requests.get_mut(req) else {
+            return;
+        };
         // A synchronous load is over before the request's forward pass: the server never
         // waits on it, so it is not the request's business after this step.
         r.load_in_flight = !sync;
@@ -224,6 +252,5 @@ impl Planner {
                 !valid,
             ),
         );
-        Ok(())
     }
 }

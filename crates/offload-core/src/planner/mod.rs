@@ -19,6 +19,7 @@
 //! other content (vLLM's streaming sessions) never leads to a store or a hit under a key
 //! whose content changed.
 
+mod groups;
 mod ledger;
 mod lookup;
 mod remote;
@@ -37,14 +38,16 @@ use ledger::Ledger;
 use request::{Finishing, Report, Request};
 use select::{select_eager, select_lazy, PendingStore};
 
+pub use groups::{GroupKind, ScheduledGroups};
 pub use remote::{FetchJob, LookupOutcome, RemoteStats};
+
 pub use types::{
     Completions, HashSource, LazyCandidate, LoadJob, PlannerConfig, ScheduleKind, ScheduledRequest,
     StepPlan, StoreJob, TransferId,
 };
 
-/// The KV-cache group the planner works on. vLLM puts every layer of a full-attention
-/// model into one group; models with several groups are rejected by the connector.
+/// The KV-cache group of the single-group planner. vLLM puts every layer of a
+/// full-attention model into one group; models with several use [`Planner::with_groups`].
 const GROUP: u32 = 0;
 
 /// The scheduler-side planner of one engine.
@@ -99,6 +102,9 @@ pub struct Planner {
     stats: PlannerStats,
     /// The remote tier behind the CPU tier, if one is attached.
     remote: Option<Box<remote::RemoteState>>,
+    /// Several KV-cache groups (see [`Planner::with_groups`]); `None`: one full-attention
+    /// group, planned on the single-group path.
+    groups: Option<Box<[GroupKind]>>,
 }
 
 impl Planner {
@@ -122,6 +128,7 @@ impl Planner {
             completions: Completions::default(),
             stats: PlannerStats::default(),
             remote: None,
+            groups: None,
         }
     }
 
@@ -160,6 +167,20 @@ impl Planner {
     /// be read is an error naming it; the other requests of the step are recorded, and
     /// their stores are handed out with the next plan.
     pub fn schedule<'a, H: HashSource>(
+        &mut self,
+        scheduled: impl IntoIterator<Item = ScheduledRequest<'a, H>>,
+        lazy_candidates: impl IntoIterator<Item = LazyCandidate>,
+    ) -> Result<StepPlan, PlanError> {
+        if self.groups.is_some() {
+            // One block table per request: refused per request, naming it.
+            let one_table = scheduled.into_iter().map(ScheduledGroups::from);
+            return self.schedule_groups(one_table, lazy_candidates);
+        }
+        self.schedule_single(scheduled, lazy_candidates)
+    }
+
+    /// [`Self::schedule`] of the single-group planner.
+    fn schedule_single<'a, H: HashSource>(
         &mut self,
         scheduled: impl IntoIterator<Item = ScheduledRequest<'a, H>>,
         lazy_candidates: impl IntoIterator<Item = LazyCandidate>,
@@ -239,17 +260,37 @@ impl Planner {
         };
         let confirmed = num_computed_tokens / bs;
         let mut err = None;
-        if !self.cfg.lazy && confirmed > r.stored_upto {
+        let stored_upto = match self.groups {
+            Some(_) => r.groups.iter().map(|g| g.stored_upto).min().unwrap_or(0),
+            None => r.stored_upto,
+        };
+        if !self.cfg.lazy && confirmed > stored_upto {
             match r.sync(hashes, confirmed, &mut self.cache, &mut self.stats) {
                 Ok(usable) => {
-                    if select_eager(
-                        req,
-                        &mut r,
-                        usable,
-                        &mut self.cache,
-                        &mut self.pending_store,
-                        &mut self.stats,
-                    ) {
+                    let queued = match &self.groups {
+                        // The request's last allocation freed what it no longer holds;
+                        // a finished request keeps the rest until this flush.
+                        Some(kinds) => groups::select_groups(
+                            req,
+                            &mut r,
+                            usable,
+                            kinds,
+                            bs,
+                            !self.cfg.stores_after_forward,
+                            &mut self.cache,
+                            &mut self.pending_store,
+                            &mut self.stats,
+                        ),
+                        None => select_eager(
+                            req,
+                            &mut r,
+                            usable,
+                            &mut self.cache,
+                            &mut self.pending_store,
+                            &mut self.stats,
+                        ),
+                    };
+                    if queued {
                         self.pending_store.flush_req_ids.push(req.to_string());
                     }
                 }

@@ -131,7 +131,9 @@ pub(super) struct RemoteState {
 
 impl Planner {
     /// Adds a remote tier behind the CPU tier: `probes` answers existence checks (its tier's
-    /// counters are `tier_stats`), and [`Self::lookup_tiered`] uses it.
+    /// counters are `tier_stats`), and [`Self::lookup_tiered`] uses it. It keys blocks by
+    /// hash alone, so a planner with several KV-cache groups ([`Self::with_groups`]) never
+    /// consults it.
     pub fn attach_remote(&mut self, probes: ProbeQueue, tier_stats: Arc<TierStats>) {
         self.remote = Some(Box::new(RemoteState {
             probes,
@@ -171,6 +173,10 @@ impl Planner {
             tokens,
             remote_tokens: 0,
         };
+        // The remote tier keys blocks by hash alone: a multi-group planner never uses it.
+        if self.groups.is_some() {
+            return Ok(hit);
+        }
         let Some(remote) = self.remote.as_deref_mut() else {
             return Ok(hit);
         };

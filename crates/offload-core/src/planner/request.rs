@@ -7,6 +7,7 @@ use crate::key::{BlockHash, BlockId};
 
 use crate::error::HashError;
 
+use super::groups::{GroupBlocks, GroupHit};
 use super::types::HashSource;
 
 /// A pinned lookup result: CPU blocks for the request's blocks `start..start + len`.
@@ -19,6 +20,9 @@ pub(super) struct Hit {
     /// while the request's list still has it there (the run's hashes may have been read
     /// without becoming part of the known prefix).
     pub(super) last: Option<BlockHash>,
+    /// Multi-group planners: the pinned blocks of each group (`blocks` holds them all,
+    /// for unpinning). Empty on the single-group path.
+    pub(super) groups: Vec<GroupHit>,
 }
 
 /// How a finished request with transfers in flight is handed back to the server.
@@ -47,6 +51,12 @@ pub(super) struct Request {
     pub(super) load_in_flight: bool,
     /// Part of the store job being assembled for the next step.
     pub(super) queued: bool,
+    /// Multi-group planners: each group's blocks (`gpu_blocks` and `stored_upto` are
+    /// unused there). Empty on the single-group path.
+    pub(super) groups: Vec<GroupBlocks>,
+    /// Multi-group planners: tokens computed when the server last allocated for the
+    /// request, which decides what sliding-window groups still hold.
+    pub(super) alloc_tokens: usize,
 }
 
 /// A request that finished while transfers still used its GPU blocks: reported to the
@@ -145,6 +155,9 @@ impl Request {
         );
         self.hashes.truncate(from);
         self.stored_upto = self.stored_upto.min(from);
+        for g in &mut self.groups {
+            g.stored_upto = g.stored_upto.min(from);
+        }
         if self
             .hit
             .as_ref()

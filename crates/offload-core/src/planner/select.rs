@@ -18,6 +18,8 @@ pub(super) struct StoreEntry {
     /// Where the block comes from: its request's index in the job's `req_ids` and its
     /// position in that request; `None` for a lazy candidate (no request).
     pub(super) source: Option<(u32, u32)>,
+    /// The block's KV-cache group.
+    pub(super) group: u32,
 }
 
 /// The store job being assembled for the next step.
@@ -29,6 +31,9 @@ pub(super) struct PendingStore {
     pub(super) req_ids: Vec<(String, u64)>,
     pub(super) flush_req_ids: Vec<String>,
     pub(super) lazy: bool,
+    /// GPU blocks the caller must keep until the store retires (multi-group eager
+    /// stores of blocks the server frees from running requests).
+    pub(super) held: Vec<u32>,
 }
 
 impl PendingStore {
@@ -76,6 +81,7 @@ pub(super) fn select_eager(
                     parent: i.checked_sub(1).map(|p| r.hashes[p]),
                     source: slot
                         .and_then(|s| Some((u32::try_from(s).ok()?, u32::try_from(i).ok()?))),
+                    group: GROUP,
                 });
                 pending.gpu_blocks.push(r.gpu_blocks[i]);
                 selected = true;
@@ -122,6 +128,7 @@ pub(super) fn select_lazy(
             hash: key.hash,
             parent: None,
             source: None,
+            group: key.group,
         });
         pending.gpu_blocks.push(gpu);
         pending.lazy = true;

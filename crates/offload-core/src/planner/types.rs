@@ -218,6 +218,9 @@ pub struct StoreJob {
     /// for a lazy candidate. The caller snapshots what vLLM's events need (tokens, full
     /// hash, LoRA) while it still holds the request. Empty with events off.
     pub sources: Vec<Option<(u32, u32)>>,
+    /// Multi-group planners: each block's KV-cache group, pairwise with `cpu_blocks`
+    /// (workers copy a block id the same whatever its group). Empty on one group.
+    pub groups: Vec<u32>,
 }
 
 /// What workers must do this step.

@@ -1,0 +1,527 @@
+//! Several KV-cache groups (vLLM's hybrid allocator): each group has its own GPU block
+//! table per request and its own CPU blocks, keyed by `(group, hash)`.
+//!
+//! What a group needs differs by kind:
+//! - full attention keeps every block of a request for its whole life; a CPU hit is the
+//!   longest run of stored blocks after the GPU hit;
+//! - sliding window attends only to the last `window` tokens: vLLM frees the blocks that
+//!   fall out of the window from a running request's table (its null block takes their
+//!   place), and allocates a request with a prefix hit of `T` tokens no block before the
+//!   window of `T`. So a hit ending at block `n` needs only the blocks inside that window,
+//!   and a block is stored only while the request still holds it.
+//!
+//! A hit must be one every group can serve: its length is the longest `n` at which every
+//! full-attention group has all blocks after the GPU hit and every sliding-window group
+//! the blocks of its window. Loads copy every block vLLM allocated for the hit (and no
+//! null block); a GPU block id names the same bytes whatever group owns it, so workers
+//! copy blocks without knowing their group.
+//!
+//! The single-group planner ([`Planner::new`]) never comes here.
+
+use crate::cache::BlockCache;
+use crate::error::PlanError;
+use crate::events::PlannerStats;
+use crate::key::{BlockHash, BlockId, BlockKey};
+
+use super::request::{Hit, Request};
+use super::select::{PendingStore, StoreEntry};
+use super::types::{HashSource, ScheduleKind, ScheduledRequest};
+use super::{live_entry, Planner, PlannerConfig};
+
+/// The kind of a KV-cache group: which blocks of a request it keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GroupKind {
+    /// Every block stays in the request's table until it finishes (vLLM's full
+    /// attention and MLA).
+    FullAttention,
+    /// Attends to the last `window` tokens (vLLM's `sliding_window` plus its
+    /// `extra_retained_tokens`); earlier blocks are freed from a running request.
+    SlidingWindow {
+        /// Tokens a request keeps KV for: the next token attends to the last
+        /// `window - 1` computed ones.
+        window: u32,
+    },
+}
+
+impl GroupKind {
+    /// Leading blocks of a request with `tokens` computed that the group no longer holds
+    /// (vLLM's `get_num_skipped_tokens`, in whole blocks).
+    pub fn skipped_blocks(self, tokens: usize, block_size: usize) -> usize {
+        match self {
+            Self::FullAttention => 0,
+            Self::SlidingWindow { window } => {
+                tokens.saturating_sub((window as usize).saturating_sub(1)) / block_size.max(1)
+            }
+        }
+    }
+}
+
+/// One scheduled request of a step, with a block table per KV-cache group (see
+/// [`ScheduledRequest`], whose `gpu_blocks` is group 0's).
+#[derive(Debug, Clone)]
+pub struct ScheduledGroups<'a, H> {
+    /// The request id.
+    pub req_id: &'a str,
+    /// New, resumed or running.
+    pub kind: ScheduleKind,
+    /// Tokens computed before this step.
+    pub num_computed_tokens: usize,
+    /// Tokens this step computes (read only with
+    /// [`PlannerConfig::stores_after_forward`]).
+    pub num_scheduled_tokens: usize,
+    /// Per group, GPU block ids: the whole table (new, resumed) or the blocks added
+    /// (running). Positions a sliding-window group does not hold carry the server's
+    /// null block id; they are never read.
+    pub gpu_blocks: Vec<Vec<u32>>,
+    /// The request's block hashes (the same for every group).
+    pub hashes: H,
+}
+
+impl<'a, H> From<ScheduledRequest<'a, H>> for ScheduledGroups<'a, H> {
+    /// The request with its one block table.
+    fn from(s: ScheduledRequest<'a, H>) -> Self {
+        Self {
+            req_id: s.req_id,
+            kind: s.kind,
+            num_computed_tokens: s.num_computed_tokens,
+            num_scheduled_tokens: s.num_scheduled_tokens,
+            gpu_blocks: vec![s.gpu_blocks],
+            hashes: s.hashes,
+        }
+    }
+}
+
+/// A request's blocks in one group.
+#[derive(Debug, Default, Clone)]
+pub(super) struct GroupBlocks {
+    pub(super) gpu_blocks: Vec<u32>,
+    /// Blocks before this index were considered for storing already.
+    pub(super) stored_upto: usize,
+}
+
+/// The pinned part of a hit in one group: CPU blocks for positions `from..`.
+#[derive(Debug, Default, Clone)]
+pub(super) struct GroupHit {
+    pub(super) from: usize,
+    pub(super) blocks: Vec<BlockId>,
+}
+
+impl GroupHit {
+    fn get(&self, pos: usize) -> Option<BlockId> {
+        self.blocks.get(pos.checked_sub(self.from)?).copied()
+    }
+}
+
+impl Planner {
+    /// A planner for a model with several KV-cache groups, `groups[g]` being group `g`'s
+    /// kind. One full-attention group is the single-group planner of [`Self::new`].
+    ///
+    /// # Examples
+    /// A full-attention group and a sliding-window group of 32 tokens: a hit of 3 blocks
+    /// needs all 3 full-attention blocks but only the sliding-window blocks of its
+    /// window (the last 2).
+    /// ```
+    /// use offload_core::{BlockHash, GroupKind, Planner, PlannerConfig};
+    ///
+    /// let groups = [GroupKind::FullAttention, GroupKind::SlidingWindow { window: 32 }];
+    /// let planner = Planner::with_groups(PlannerConfig::new(16, 64), &groups);
+    /// assert_eq!(planner.groups(), &groups);
+    /// assert_eq!(groups[1].skipped_blocks(48, 16), 1);
+    /// ```
+    pub fn with_groups(cfg: PlannerConfig, groups: &[GroupKind]) -> Self {
+        let mut planner = Self::new(cfg);
+        if groups != [GroupKind::FullAttention] && !groups.is_empty() {
+            planner.groups = Some(groups.into());
+        }
+        planner
+    }
+
+    /// The KV-cache groups' kinds (one full-attention group for [`Self::new`]).
+    pub fn groups(&self) -> &[GroupKind] {
+        self.groups
+            .as_deref()
+            .unwrap_or(&[GroupKind::FullAttention])
+    }
+
+    /// [`Self::schedule`] with a block table per group.
+    ///
+    /// Eager mode stores, per group, the confirmed blocks the request still holds: a
+    /// sliding-window group's blocks before the window of `num_computed_tokens` were
+    /// freed by the server in this step's allocation and are skipped. When stores run
+    /// while later steps may reuse blocks (without
+    /// [`PlannerConfig::stores_after_forward`]), sliding-window blocks the store reads
+    /// are listed in [`StepPlan::held_gpu_blocks`](super::StepPlan): the server frees
+    /// them from running requests, so the caller keeps them until
+    /// [`Completions::released_gpu_blocks`](super::Completions) names them.
+    pub fn schedule_groups<'a, H: HashSource>(
+        &mut self,
+        scheduled: impl IntoIterator<Item = ScheduledGroups<'a, H>>,
+        lazy_candidates: impl IntoIterator<Item = super::LazyCandidate>,
+    ) -> Result<super::StepPlan, PlanError> {
+        let Some(kinds) = self.groups.clone() else {
+            let single = scheduled.into_iter().map(|s| {
+                let mut blocks = s.gpu_blocks;
+                ScheduledRequest {
+                    req_id: s.req_id,
+                    kind: s.kind,
+                    num_computed_tokens: s.num_computed_tokens,
+                    num_scheduled_tokens: s.num_scheduled_tokens,
+                    gpu_blocks: if blocks.is_empty() {
+                        Vec::new()
+                    } else {
+                        blocks.swap_remove(0)
+                    },
+                    hashes: s.hashes,
+                }
+            });
+            return self.schedule_single(single, lazy_candidates);
+        };
+        let bs = self.block_size();
+        let after_forward = self.cfg.stores_after_forward;
+        let mut first_err = None;
+        for s in scheduled {
+            if s.gpu_blocks.len() != kinds.len() && !s.gpu_blocks.is_empty() {
+                first_err.get_or_insert(PlanError::GroupMismatch {
+                    req_id: s.req_id.to_string(),
+                    expected: kinds.len(),
+                    got: s.gpu_blocks.len(),
+                });
+                continue;
+            }
+            let r = live_entry(&mut self.requests, &mut self.next_serial, s.req_id);
+            r.groups.resize_with(kinds.len(), GroupBlocks::default);
+            r.alloc_tokens = s.num_computed_tokens;
+            for (g, blocks) in r.groups.iter_mut().zip(s.gpu_blocks) {
+                if s.kind == ScheduleKind::Running {
+                    g.gpu_blocks.extend_from_slice(&blocks);
+                } else {
+                    g.gpu_blocks = blocks;
+                }
+            }
+            if s.kind != ScheduleKind::Running && !after_forward {
+                continue;
+            }
+            let confirmed = if after_forward {
+                (s.num_computed_tokens + s.num_scheduled_tokens) / bs
+            } else {
+                s.num_computed_tokens / bs
+            };
+            let stored = r.groups.iter().map(|g| g.stored_upto).min().unwrap_or(0);
+            if self.cfg.lazy || confirmed <= stored {
+                continue;
+            }
+            match r.sync(&s.hashes, confirmed, &mut self.cache, &mut self.stats) {
+                Ok(usable) => {
+                    select_groups(
+                        s.req_id,
+                        r,
+                        usable,
+                        &kinds,
+                        bs,
+                        !after_forward,
+                        &mut self.cache,
+                        &mut self.pending_store,
+                        &mut self.stats,
+                    );
+                }
+                Err(e) => {
+                    first_err.get_or_insert(PlanError::BadHash {
+                        req_id: s.req_id.to_string(),
+                        source: e,
+                    });
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let held = if self.cfg.lazy {
+            super::select::select_lazy(
+                lazy_candidates,
+                &mut self.cache,
+                &mut self.pending_store,
+                &mut self.stats,
+            )
+        } else {
+            Vec::new()
+        };
+        Ok(self.issue(held))
+    }
+
+    /// [`Self::on_alloc`] with the request's block table per group (`gpu_blocks[g]`
+    /// from token 0, null blocks included).
+    ///
+    /// The load copies, in every group, each block vLLM allocated for the accepted
+    /// tokens: all of them in full-attention groups, those inside the window of the
+    /// hit's end in sliding-window groups. If the scheduler accepted fewer tokens than
+    /// offered, a sliding-window group's window moves before the pinned blocks; a block
+    /// the hit did not pin makes the load invalid (reported failed, recomputed).
+    pub fn on_alloc_groups<B: AsRef<[u32]>>(
+        &mut self,
+        req: &str,
+        gpu_blocks: &[B],
+        num_computed_tokens: usize,
+        num_external_tokens: usize,
+    ) -> Result<(), PlanError> {
+        let Some(kinds) = self.groups.clone() else {
+            let group0: &[u32] = gpu_blocks.first().map_or(&[], AsRef::as_ref);
+            if gpu_blocks.len() > 1 {
+                return Err(PlanError::GroupMismatch {
+                    req_id: req.to_string(),
+                    expected: 1,
+                    got: gpu_blocks.len(),
+                });
+            }
+            return self.on_alloc(req, group0, num_computed_tokens, num_external_tokens);
+        };
+        let bs = self.block_size();
+        if num_external_tokens == 0 {
+            if let Some(r) = self.requests.get_mut(req) {
+                r.release_hit(&mut self.cache);
+            }
+            return Ok(());
+        }
+        if gpu_blocks.len() != kinds.len() {
+            return Err(PlanError::GroupMismatch {
+                req_id: req.to_string(),
+                expected: kinds.len(),
+                got: gpu_blocks.len(),
+            });
+        }
+        let r = self
+            .requests
+            .get_mut(req)
+            .ok_or_else(|| PlanError::UnknownRequest(req.to_string()))?;
+        let hit = r.hit.take().unwrap_or_default();
+        let start = if hit.groups.is_empty() {
+            num_computed_tokens / bs
+        } else {
+            hit.start
+        };
+        let end = start + num_external_tokens.div_ceil(bs);
+        let mut gpu = Vec::new();
+        let mut cpu = Vec::new();
+        let mut valid = num_external_tokens % bs == 0 && hit.groups.len() == kinds.len();
+        if valid {
+            'groups: for ((kind, ghit), table) in kinds.iter().zip(&hit.groups).zip(gpu_blocks) {
+                let table = table.as_ref();
+                for i in start.max(kind.skipped_blocks(end * bs, bs))..end {
+                    match (ghit.get(i), table.get(i)) {
+                        (Some(c), Some(&g)) if self.cache.is_ready(c) => {
+                            cpu.push(c);
+                            gpu.push(g);
+                        }
+                        _ => {
+                            valid = false;
+                            break 'groups;
+                        }
+                    }
+                }
+            }
+        }
+        if !valid {
+            log::warn!(
+                "kvoffload: load of {num_external_tokens} tokens for request {req} has no \
+                 matching CPU hit in every KV-cache group; reporting it failed so it is \
+                 recomputed"
+            );
+            gpu.clear();
+            cpu.clear();
+            // Every group's blocks of the accepted range, so the server recomputes them all.
+            for (kind, table) in kinds.iter().zip(gpu_blocks) {
+                let from = start.max(kind.skipped_blocks(end * bs, bs));
+                gpu.extend(table.as_ref().get(from..end).unwrap_or_default());
+            }
+        }
+        let mut used = cpu.clone();
+        used.sort_unstable();
+        for b in hit.blocks {
+            if used.binary_search(&b).is_err() {
+                let _ = self.cache.unpin(b);
+            }
+        }
+        self.push_load(req, gpu, cpu, valid, num_external_tokens);
+        Ok(())
+    }
+
+    /// The multi-group lookup behind [`Self::lookup`]: always fresh (the pinned result of
+    /// an earlier call is released first), never answered from a cached run.
+    pub(super) fn lookup_groups<H: HashSource + ?Sized>(
+        &mut self,
+        req: &str,
+        hashes: &H,
+        num_tokens: usize,
+        num_computed_tokens: usize,
+        kinds: &[GroupKind],
+    ) -> Result<usize, PlanError> {
+        let bs = self.block_size();
+        self.stats.lookups += 1;
+        let r = live_entry(&mut self.requests, &mut self.next_serial, req);
+        r.release_hit(&mut self.cache);
+        if num_computed_tokens % bs != 0 || self.cache.capacity() == 0 {
+            return Ok(0);
+        }
+        let bad = |source| PlanError::BadHash {
+            req_id: req.to_string(),
+            source,
+        };
+        let start = num_computed_tokens / bs;
+        let need = num_tokens.saturating_sub(1) / bs;
+        let limit = r
+            .verify(hashes, need, &mut self.cache, &mut self.stats)
+            .map_err(bad)?;
+        // Full-attention groups bound the hit by their longest stored run; hashes are read
+        // only that far.
+        let mut hs: Vec<BlockHash> = Vec::new();
+        let mut end = limit;
+        for (g, kind) in kinds.iter().enumerate() {
+            if *kind != GroupKind::FullAttention {
+                continue;
+            }
+            let mut i = start;
+            while i < end {
+                let h = match hs.get(i - start) {
+                    Some(h) => *h,
+                    None => {
+                        let h = r.hash_at(hashes, i).map_err(bad)?;
+                        hs.push(h);
+                        h
+                    }
+                };
+                if self
+                    .cache
+                    .get_ready(&BlockKey::new(group_id(g), h))
+                    .is_none()
+                {
+                    break;
+                }
+                i += 1;
+            }
+            end = i;
+        }
+        for i in start + hs.len()..end {
+            hs.push(r.hash_at(hashes, i).map_err(bad)?);
+        }
+        hs.truncate(end.saturating_sub(start));
+        // Per sliding-window group, where the blocks found are; then the longest `n`
+        // whose window every group has.
+        let found: Vec<Vec<Option<BlockId>>> = kinds
+            .iter()
+            .enumerate()
+            .map(|(g, kind)| match kind {
+                GroupKind::FullAttention => Vec::new(),
+                GroupKind::SlidingWindow { .. } => hs
+                    .iter()
+                    .map(|h| self.cache.get_ready(&BlockKey::new(group_id(g), *h)))
+                    .collect(),
+            })
+            .collect();
+        let window_ok = |n: usize| {
+            kinds.iter().zip(&found).all(|(kind, f)| {
+                *kind == GroupKind::FullAttention
+                    || (start.max(kind.skipped_blocks(n * bs, bs))..n)
+                        .all(|i| f[i - start].is_some())
+            })
+        };
+        let Some(n) = (start + 1..=end).rev().find(|&n| window_ok(n)) else {
+            return Ok(0);
+        };
+        let mut hit = Hit {
+            start,
+            num_tokens,
+            blocks: Vec::new(),
+            last: hs.get(n - start - 1).copied(),
+            groups: Vec::with_capacity(kinds.len()),
+        };
+        for (g, (kind, f)) in kinds.iter().zip(&found).enumerate() {
+            let from = start.max(kind.skipped_blocks(n * bs, bs));
+            let blocks: Vec<BlockId> = (from..n)
+                .filter_map(|i| match kind {
+                    GroupKind::FullAttention => self
+                        .cache
+                        .get_ready(&BlockKey::new(group_id(g), hs[i - start])),
+                    GroupKind::SlidingWindow { .. } => f[i - start],
+                })
+                .collect();
+            hit.groups.push(GroupHit { from, blocks });
+        }
+        for gh in &hit.groups {
+            for &b in &gh.blocks {
+                // The block is ready, hence in range and pinnable.
+                let _ = self.cache.pin(b);
+                hit.blocks.push(b);
+            }
+        }
+        r.hit = Some(hit);
+        Ok((n - start) * bs)
+    }
+}
+
+/// Group `g`'s id in index keys.
+fn group_id(g: usize) -> u32 {
+    u32::try_from(g).unwrap_or(u32::MAX)
+}
+
+/// [`super::select::select_eager`] for every group of a multi-group request: per group,
+/// its blocks from where it stopped (and from the first block it still holds) up to
+/// `confirmed`. With `hold`, sliding-window blocks go to the store's held blocks.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn select_groups(
+    req: &str,
+    r: &mut Request,
+    confirmed: usize,
+    kinds: &[GroupKind],
+    bs: usize,
+    hold: bool,
+    cache: &mut BlockCache,
+    pending: &mut PendingStore,
+    stats: &mut PlannerStats,
+) -> bool {
+    let confirmed = confirmed.min(r.hashes.len());
+    let slot = if r.queued {
+        pending
+            .req_ids
+            .iter()
+            .position(|(q, s)| q == req && *s == r.serial)
+    } else {
+        Some(pending.req_ids.len())
+    };
+    let mut selected = false;
+    r.groups.resize_with(kinds.len(), GroupBlocks::default);
+    for (g, (kind, gb)) in kinds.iter().zip(r.groups.iter_mut()).enumerate() {
+        let upto = confirmed.min(gb.gpu_blocks.len());
+        let from = gb.stored_upto.max(kind.skipped_blocks(r.alloc_tokens, bs));
+        for i in from..upto {
+            let key = BlockKey::new(group_id(g), r.hashes[i]);
+            if cache.contains(&key) {
+                stats.dedup_skipped += 1;
+                continue;
+            }
+            let Some(block) = cache.reserve(key) else {
+                stats.no_space_skipped += (upto - i) as u64;
+                break;
+            };
+            let gpu = gb.gpu_blocks[i];
+            pending.entries.push(StoreEntry {
+                block,
+                hash: r.hashes[i],
+                parent: i.checked_sub(1).map(|p| r.hashes[p]),
+                source: slot.and_then(|s| Some((u32::try_from(s).ok()?, u32::try_from(i).ok()?))),
+                group: group_id(g),
+            });
+            pending.gpu_blocks.push(gpu);
+            if hold && *kind != GroupKind::FullAttention {
+                pending.held.push(gpu);
+            }
+            selected = true;
+        }
+        gb.stored_upto = gb.stored_upto.max(upto);
+    }
+    if selected && !r.queued {
+        r.queued = true;
+        r.stores_in_flight += 1;
+        pending.req_ids.push((req.to_string(), r.serial));
+    }
+    r.queued
+}

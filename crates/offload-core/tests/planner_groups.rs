@@ -1,0 +1,315 @@
+//! Several KV-cache groups (vLLM's hybrid allocator): per-group hits consistent across
+//! groups, sliding-window blocks stored only while the request holds them, null blocks
+//! never read, loads that cover every block vLLM allocated, events per group.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::planner::{chained, complete_on_every_rank, hashes, BS};
+use offload_core::{
+    BlockHash, GroupKind, KvEvent, PlanError, Planner, PlannerConfig, ScheduleKind,
+    ScheduledGroups, StepPlan,
+};
+
+/// vLLM's null block id: what a sliding-window group's table holds where it freed a block.
+const NULL: u32 = 0;
+
+/// A full-attention group and a sliding-window group whose window spans 2 blocks: a hit
+/// ending at block `n` needs the sliding-window blocks `n - 2` and `n - 1`.
+const HYBRID: [GroupKind; 2] = [
+    GroupKind::FullAttention,
+    GroupKind::SlidingWindow {
+        window: 2 * BS as u32 + 1,
+    },
+];
+
+fn hybrid(blocks: u32, after_forward: bool) -> Planner {
+    Planner::with_groups(
+        PlannerConfig::new(BS as u32, blocks)
+            .with_events(true)
+            .with_stores_after_forward(after_forward),
+        &HYBRID,
+    )
+}
+
+type Sched<'a> = ScheduledGroups<'a, &'a [BlockHash]>;
+
+fn sched<'a>(
+    req: &'a str,
+    kind: ScheduleKind,
+    computed: usize,
+    scheduled: usize,
+    gpu: &[&[u32]],
+    hashes: &'a [BlockHash],
+) -> Sched<'a> {
+    ScheduledGroups {
+        req_id: req,
+        kind,
+        num_computed_tokens: computed,
+        num_scheduled_tokens: scheduled,
+        gpu_blocks: gpu.iter().map(|g| g.to_vec()).collect(),
+        hashes,
+    }
+}
+
+fn step<'a>(p: &mut Planner, reqs: impl IntoIterator<Item = Sched<'a>>) -> StepPlan {
+    p.schedule_groups(reqs, [])
+        .expect("a step with readable hashes")
+}
+
+/// Group tables of a request with `n` blocks: full attention from `full`, sliding window
+/// from `sliding`, the first `nulls` sliding positions freed.
+fn tables(n: u32, full: u32, sliding: u32, nulls: u32) -> [Vec<u32>; 2] {
+    let sw = (0..n)
+        .map(|i| if i < nulls { NULL } else { sliding + i })
+        .collect();
+    [(full..full + n).collect(), sw]
+}
+
+/// Prompt `h` (a whole number of blocks) computed by `req` in one step after its forward
+/// pass, then finished: every group's blocks are stored (the request held them all).
+fn store_in_one_step(p: &mut Planner, req: &str, h: &[BlockHash], full: u32, sliding: u32) {
+    let n = h.len() as u32 + 1;
+    let [f, s] = tables(n, full, sliding, 0);
+    let tokens = h.len() * BS;
+    assert_eq!(p.lookup(req, h, tokens + 1, 0).unwrap(), 0);
+    p.on_alloc_groups(req, &[&f, &s], 0, 0).unwrap();
+    let plan = step(p, [sched(req, ScheduleKind::New, 0, tokens, &[&f, &s], h)]);
+    let store = plan.store.expect("the prompt's blocks");
+    assert_eq!(store.groups.len(), 2 * h.len());
+    assert!(
+        plan.held_gpu_blocks.is_empty(),
+        "stores after the forward hold nothing"
+    );
+    complete_on_every_rank(p, store.id);
+    assert!(!p.request_finished(req, h, tokens).unwrap());
+}
+
+#[test]
+fn a_running_request_stores_only_the_sliding_blocks_it_still_holds_and_holds_them() {
+    let mut p = hybrid(64, false);
+    let h = hashes(1, 5);
+    let [f, s] = tables(6, 10, 30, 0);
+    p.lookup("a", &h, 5 * BS + 1, 0).unwrap();
+    p.on_alloc_groups("a", &[&f, &s], 0, 0).unwrap();
+    assert!(step(&mut p, [sched("a", ScheduleKind::New, 0, 0, &[&f, &s], &h)]).is_empty());
+    // Next step: 80 tokens computed; vLLM's allocation freed the sliding blocks before the
+    // window of token 80 (blocks 0..3).
+    let plan = step(
+        &mut p,
+        [sched(
+            "a",
+            ScheduleKind::Running,
+            5 * BS,
+            1,
+            &[&[], &[]],
+            &h,
+        )],
+    );
+    let store = plan.store.expect("confirmed blocks");
+    assert_eq!(store.gpu_blocks, vec![10, 11, 12, 13, 14, 33, 34]);
+    assert_eq!(store.groups, vec![0, 0, 0, 0, 0, 1, 1]);
+    // The server frees sliding blocks from a running request: the caller keeps them.
+    assert_eq!(plan.held_gpu_blocks, vec![33, 34]);
+    complete_on_every_rank(&mut p, store.id);
+    assert_eq!(p.take_completions().released_gpu_blocks, vec![33, 34]);
+}
+
+#[test]
+fn a_hit_loads_every_full_block_and_the_sliding_window_into_the_non_null_blocks() {
+    let mut p = hybrid(64, true);
+    let h = hashes(1, 5);
+    store_in_one_step(&mut p, "a", &h, 10, 30);
+    assert_eq!(p.lookup("b", &h, 5 * BS + 1, 0).unwrap(), 5 * BS);
+    // vLLM allocates the sliding group only inside the window of the 80 hit tokens.
+    let [f, s] = tables(6, 50, 70, 3);
+    p.on_alloc_groups("b", &[&f, &s], 0, 5 * BS).unwrap();
+    let plan = step(
+        &mut p,
+        [sched("b", ScheduleKind::New, 5 * BS, 1, &[&f, &s], &h)],
+    );
+    let load = &plan.loads[0];
+    assert!(load.valid);
+    assert_eq!(load.gpu_blocks, vec![50, 51, 52, 53, 54, 73, 74]);
+    assert!(!load.gpu_blocks.contains(&NULL));
+    for (&cpu, (i, g)) in
+        load.cpu_blocks
+            .iter()
+            .zip([(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (3, 1), (4, 1)])
+    {
+        let key = p.cache().pool().key(cpu).unwrap();
+        assert_eq!((key.group, key.hash), (g, h[i]));
+    }
+}
+
+#[test]
+fn the_hit_is_the_longest_one_every_group_can_serve() {
+    let mut p = hybrid(64, false);
+    let h = chained(None, 0..5);
+    // Async stores: the first step of a new request stores nothing, the next one only the
+    // sliding blocks still in the window (3 and 4).
+    let [f, s] = tables(6, 10, 30, 0);
+    p.lookup("a", &h, 5 * BS + 1, 0).unwrap();
+    p.on_alloc_groups("a", &[&f, &s], 0, 0).unwrap();
+    step(&mut p, [sched("a", ScheduleKind::New, 0, 0, &[&f, &s], &h)]);
+    let plan = step(
+        &mut p,
+        [sched(
+            "a",
+            ScheduleKind::Running,
+            5 * BS,
+            1,
+            &[&[], &[]],
+            &h,
+        )],
+    );
+    complete_on_every_rank(&mut p, plan.store.unwrap().id);
+    // "b" shares the first 4 blocks: full attention has all 4, but a hit of 4 blocks needs
+    // sliding blocks 2 and 3, and a shorter one blocks before 3: no hit serves every group.
+    let mut b = h[..4].to_vec();
+    b.extend(chained(Some(h[3]), 100..102));
+    assert_eq!(p.lookup("b", &b, 6 * BS + 1, 0).unwrap(), 0);
+    // The same prompt as "a" ends where its sliding blocks are.
+    assert_eq!(p.lookup("c", &h, 5 * BS + 1, 0).unwrap(), 5 * BS);
+    // With the whole prompt stored in one step, "b" hits its 4 shared blocks.
+    let mut q = hybrid(64, true);
+    store_in_one_step(&mut q, "a", &h, 10, 30);
+    assert_eq!(q.lookup("b", &b, 6 * BS + 1, 0).unwrap(), 4 * BS);
+}
+
+#[test]
+fn a_sliding_only_model_hits_on_its_window() {
+    let window = GroupKind::SlidingWindow {
+        window: 2 * BS as u32 + 1,
+    };
+    let mut p = Planner::with_groups(
+        PlannerConfig::new(BS as u32, 64).with_stores_after_forward(true),
+        &[window],
+    );
+    let h = hashes(1, 4);
+    let sw: Vec<u32> = (20..25).collect();
+    p.lookup("a", &h, 4 * BS + 1, 0).unwrap();
+    let plan = step(
+        &mut p,
+        [sched("a", ScheduleKind::New, 0, 4 * BS, &[&sw], &h)],
+    );
+    let store = plan.store.unwrap();
+    complete_on_every_rank(&mut p, store.id);
+    p.request_finished("a", &h, 4 * BS).unwrap();
+    assert_eq!(p.lookup("b", &h, 4 * BS + 1, 0).unwrap(), 4 * BS);
+    let table = [NULL, NULL, 42, 43, 44];
+    p.on_alloc_groups("b", &[&table], 0, 4 * BS).unwrap();
+    let plan = step(
+        &mut p,
+        [sched("b", ScheduleKind::New, 4 * BS, 1, &[&table], &h)],
+    );
+    assert_eq!(plan.loads[0].gpu_blocks, vec![42, 43]);
+}
+
+#[test]
+fn accepting_less_than_offered_moves_the_window_off_the_pins_and_fails_the_load() {
+    let mut p = hybrid(64, true);
+    let h = hashes(1, 5);
+    // Only the last two sliding blocks of "a" are on CPU: a request with 80 tokens
+    // computed when it was scheduled holds no earlier one.
+    let [f, s] = tables(6, 10, 30, 3);
+    p.lookup("a", &h, 5 * BS + 1, 0).unwrap();
+    p.on_alloc_groups("a", &[&f, &s], 0, 0).unwrap();
+    let plan = step(
+        &mut p,
+        [sched("a", ScheduleKind::New, 5 * BS, 0, &[&f, &s], &h)],
+    );
+    let store = plan.store.unwrap();
+    assert_eq!(store.gpu_blocks, vec![10, 11, 12, 13, 14, 33, 34]);
+    complete_on_every_rank(&mut p, store.id);
+    p.request_finished("a", &h, 5 * BS).unwrap();
+    assert_eq!(p.lookup("b", &h, 5 * BS + 1, 0).unwrap(), 5 * BS);
+    // The scheduler takes 3 blocks: the window of 48 tokens is blocks 1 and 2, not on CPU.
+    let [f, s] = tables(6, 50, 70, 1);
+    p.on_alloc_groups("b", &[&f, &s], 0, 3 * BS).unwrap();
+    let plan = step(
+        &mut p,
+        [sched("b", ScheduleKind::New, 3 * BS, 1, &[&f, &s], &h)],
+    );
+    let load = &plan.loads[0];
+    assert!(!load.valid);
+    complete_on_every_rank(&mut p, load.id);
+    let errors = p.take_completions().load_error_blocks;
+    assert_eq!(errors, vec![50, 51, 52, 71, 72]);
+    // What stays pinned is the step's store of "b"'s own sliding blocks 1 and 2.
+    let store = plan.store.as_ref().unwrap();
+    assert_eq!(store.gpu_blocks, vec![71, 72]);
+    complete_on_every_rank(&mut p, store.id);
+    assert_eq!(common::planner::pinned(&p), 0);
+}
+
+#[test]
+fn stored_events_name_each_block_group() {
+    let mut p = hybrid(64, true);
+    let h = chained(None, 0..3);
+    store_in_one_step(&mut p, "a", &h, 10, 30);
+    let groups: Vec<(u32, Vec<BlockHash>)> = p
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::Stored { group, hashes, .. } => Some((group, hashes)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(groups, vec![(0, h.clone()), (1, h)]);
+}
+
+#[test]
+fn block_tables_for_another_number_of_groups_are_refused_naming_the_request() {
+    let mut p = hybrid(64, true);
+    let h = hashes(1, 2);
+    p.lookup("a", &h, 2 * BS + 1, 0).unwrap();
+    let only_full: [&[u32]; 1] = [&[1, 2, 3]];
+    let err = p
+        .schedule_groups([sched("a", ScheduleKind::New, 0, 32, &only_full, &h)], [])
+        .unwrap_err();
+    assert_eq!(
+        err,
+        PlanError::GroupMismatch {
+            req_id: "a".into(),
+            expected: 2,
+            got: 1
+        }
+    );
+    assert!(err.to_string().contains("`a`"));
+    let err = p.on_alloc_groups("a", &only_full, 0, 16).unwrap_err();
+    assert!(matches!(err, PlanError::GroupMismatch { .. }));
+    // The single-table calls too.
+    let err = p.on_alloc("a", &[1, 2, 3], 0, 16).unwrap_err();
+    assert!(matches!(err, PlanError::GroupMismatch { got: 1, .. }));
+    let one = offload_core::ScheduledRequest {
+        req_id: "a",
+        kind: ScheduleKind::New,
+        num_computed_tokens: 0,
+        num_scheduled_tokens: 32,
+        gpu_blocks: vec![1, 2, 3],
+        hashes: &h[..],
+    };
+    let err = p.schedule([one], []).unwrap_err();
+    assert!(matches!(err, PlanError::GroupMismatch { got: 1, .. }));
+}
+
+#[test]
+fn one_full_attention_group_is_the_single_group_planner() {
+    let p = Planner::with_groups(PlannerConfig::new(16, 8), &[GroupKind::FullAttention]);
+    assert_eq!(p.groups(), &[GroupKind::FullAttention]);
+    let mut p = p;
+    let h = hashes(1, 2);
+    let full: [&[u32]; 1] = [&[1, 2, 3]];
+    p.lookup("a", &h, 2 * BS + 1, 0).unwrap();
+    p.on_alloc_groups("a", &full, 0, 0).unwrap();
+    step(&mut p, [sched("a", ScheduleKind::New, 0, 0, &full, &h)]);
+    let plan = step(
+        &mut p,
+        [sched("a", ScheduleKind::Running, 2 * BS, 1, &[&[]], &h)],
+    );
+    let store = plan.store.unwrap();
+    assert_eq!(store.gpu_blocks, vec![1, 2]);
+    assert!(store.groups.is_empty());
+}
