@@ -17,6 +17,18 @@ use crate::index::PrefixIndex;
 use crate::key::{BlockHash, BlockId, BlockKey};
 use crate::pool::{BlockPool, BlockState, PoolError};
 
+/// What [`BlockCache::reserve_key`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Reservation {
+    /// A block for the new store, `Pending` and pinned by it.
+    Reserved(BlockId),
+    /// The key is on CPU or being stored already.
+    Present,
+    /// Every block is pinned or in flight.
+    NoSpace,
+}
+
 /// CPU-side block bookkeeping of one rank: ids, keys, pins and eviction order.
 ///
 /// # Examples
@@ -100,6 +112,19 @@ impl<P: EvictionPolicy> BlockCache<P> {
             .filter(|b| self.pool.state(*b) == Some(BlockState::Ready))
     }
 
+    /// [`Self::get_ready`], trying `guess` first: a prefix stored in one go sits in
+    /// consecutive blocks, so the block after the previous hit is usually the one, and
+    /// checking its key reads the pool in order instead of a random index bucket.
+    #[inline]
+    pub fn get_ready_near(&self, key: &BlockKey, guess: BlockId) -> Option<BlockId> {
+        // A ready block is indexed under its key (see the module invariants), so a
+        // ready block holding `key` is exactly what the index would return.
+        if self.pool.is_ready_with_key(guess, key) {
+            return Some(guess);
+        }
+        self.get_ready(key)
+    }
+
     /// Whether `block` holds a completed store.
     #[inline]
     pub fn is_ready(&self, block: BlockId) -> bool {
@@ -137,20 +162,35 @@ impl<P: EvictionPolicy> BlockCache<P> {
     /// Takes a block for a new store of `key`, evicting the policy's victim block
     /// when none is free. The block comes back `Pending`, indexed (so the same key is
     /// not stored twice) and pinned by the store. `None` when every block is pinned or
-    /// in flight, or when `key` is present already.
+    /// in flight, or when `key` is present already (see [`Self::reserve_key`]).
     pub fn reserve(&mut self, key: BlockKey) -> Option<BlockId> {
-        if self.index.contains(&key) {
-            return None;
+        match self.reserve_key(key) {
+            Reservation::Reserved(block) => Some(block),
+            Reservation::Present | Reservation::NoSpace => None,
         }
+    }
+
+    /// [`Self::reserve`], telling a key that is present already from a full pool. One
+    /// index probe answers both whether the key is present and where it goes.
+    pub fn reserve_key(&mut self, key: BlockKey) -> Reservation {
+        let vacancy = match self.index.find_slot(&key) {
+            Ok(at) => at,
+            Err(_) => return Reservation::Present,
+        };
         if self.pool.num_free() == 0 {
-            let victim = self.policy.pop_victim()?;
+            let Some(victim) = self.policy.pop_victim() else {
+                return Reservation::NoSpace;
+            };
+            // Changes the index: the insert below probes again (warm lines by now).
             self.drop_ready(victim);
         }
-        let block = self.pool.alloc()?;
+        let Some(block) = self.pool.alloc() else {
+            return Reservation::NoSpace;
+        };
         // The id came from the pool, so it is in range.
-        self.pool.set_key(block, key).ok()?;
-        self.index.insert(key, block);
-        Some(block)
+        let _ = self.pool.set_key(block, key);
+        self.index.insert_vacant(vacancy, key, block);
+        Reservation::Reserved(block)
     }
 
     /// Marks a completed store's block `Ready` and drops the store's pin.
@@ -440,7 +480,11 @@ mod tests {
                         }
                     }
                     Op::Lookup(k) => {
+                        // Any block may be the guess: only a ready one holding the key
+                        // may be served.
+                        let guess = u32::from(k / 24) % (CAP + 1);
                         let k = key(u128::from(k % 24));
+                        prop_assert_eq!(cache.get_ready_near(&k, guess), cache.get_ready(&k));
                         if let Some(b) = cache.get_ready(&k) {
                             prop_assert!(servable.contains(&k), "served a key whose store did not complete");
                             cache.pin(b).unwrap();

@@ -20,7 +20,12 @@ impl BlockHash {
     ///
     /// Shorter hashes (a 64-bit xxhash) are zero-extended, so the full hash is kept.
     /// Returns `None` for an empty slice.
+    #[inline]
     pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        // vLLM's hashes are 32 bytes (sha256) or longer: a fixed-size read, no memset.
+        if let Some(head) = bytes.first_chunk::<16>() {
+            return Some(Self(u128::from_le_bytes(*head)));
+        }
         if bytes.is_empty() {
             return None;
         }

@@ -73,15 +73,16 @@ pub mod key;
 pub mod memory;
 pub mod planner;
 pub mod pool;
+mod prefetch;
 pub mod tier;
 pub mod transfer;
 
-pub use cache::BlockCache;
+pub use cache::{BlockCache, Reservation};
 pub use config::{ConfigValue, KvCacheLayout, LoadMode, OffloadConfig, ParsedConfig};
 pub use error::{ConfigError, HashError, PlanError};
 pub use events::{EventBuffer, KvEvent, PlannerStats};
 pub use evict::{Clock, EvictionPolicy, Lru};
-pub use index::PrefixIndex;
+pub use index::{PrefixIndex, Vacancy};
 pub use key::{BlockHash, BlockId, BlockKey};
 pub use planner::{
     Completions, FetchJob, GroupKind, HashSource, LazyCandidate, LoadJob, LookupOutcome, Planner,

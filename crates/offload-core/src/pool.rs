@@ -1,6 +1,7 @@
 //! [`BlockPool`]: the fixed set of CPU block ids, their ref counts and the free list.
 
 use crate::key::{BlockId, BlockKey};
+use crate::prefetch::prefetch;
 
 /// Where a CPU block is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +145,23 @@ impl BlockPool {
         }
         slot.ref_count -= 1;
         Ok(slot.ref_count)
+    }
+
+    /// Hints the CPU to fetch the block's state and ref count (see [`Self::state`]).
+    #[inline]
+    pub fn prefetch(&self, id: BlockId) {
+        if let Some(slot) = self.slots.get(id as usize) {
+            prefetch(slot);
+        }
+    }
+
+    /// Whether block `id` is [`BlockState::Ready`] and was stored under `key`.
+    #[inline]
+    pub fn is_ready_with_key(&self, id: BlockId, key: &BlockKey) -> bool {
+        let i = id as usize;
+        self.slots
+            .get(i)
+            .is_some_and(|s| s.state == BlockState::Ready && self.keys[i] == *key)
     }
 
     /// The block's state, or `None` when out of range.

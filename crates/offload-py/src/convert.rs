@@ -34,10 +34,12 @@ pub(crate) fn config_value(v: &Bound<'_, PyAny>) -> ConfigValue {
     }
 }
 
-/// The bytes of `list[i]` when it is a `bytes` object, without taking a reference.
+/// The bytes of `list[i]` when it is exactly a `bytes` object, without taking a
+/// reference.
 ///
 /// This runs once per new block hash of every request (128 per 2048-token prompt), so it
-/// uses two C API calls instead of pyo3's checked item access and downcast.
+/// uses two C API calls and a type pointer compare instead of pyo3's checked item access
+/// and downcast (a `bytes` subclass takes the checked path in [`PyHashes::hash`]).
 fn list_bytes<'a>(list: &'a Bound<'_, PyList>, i: usize) -> Option<&'a [u8]> {
     let index = ffi::Py_ssize_t::try_from(i).ok()?;
     let mut data: *mut std::os::raw::c_char = std::ptr::null_mut();
@@ -45,15 +47,15 @@ fn list_bytes<'a>(list: &'a Bound<'_, PyList>, i: usize) -> Option<&'a [u8]> {
     // SAFETY: the GIL is held (`list` is bound). `PyList_GetItem` returns a borrowed
     // reference that stays valid while `list` holds the item, which it does for `'a`: the
     // list cannot change without the GIL, which this thread keeps until the slice is
-    // copied by the caller. `PyBytes_AsStringAndSize` only reads the object; on a
-    // non-bytes object it fails (sets an exception, cleared below) instead of reading.
+    // copied by the caller. `Py_TYPE` reads the header every object has;
+    // `PyBytes_AsStringAndSize` only reads the object, which is a `bytes`.
     unsafe {
         let item = ffi::PyList_GetItem(list.as_ptr(), index);
         if item.is_null() {
             ffi::PyErr_Clear();
             return None;
         }
-        if ffi::PyBytes_Check(item) == 0 {
+        if ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyBytes_Type) {
             return None;
         }
         if ffi::PyBytes_AsStringAndSize(item, &mut data, &mut len) != 0 {
@@ -68,39 +70,31 @@ fn list_bytes<'a>(list: &'a Bound<'_, PyList>, i: usize) -> Option<&'a [u8]> {
 }
 
 /// A Python sequence of `bytes` block hashes (vLLM's `request.block_hashes`), read
-/// through [`HashSource`] one entry at a time, as the planner needs them.
+/// through [`HashSource`] one entry or one run at a time, as the planner needs them.
 #[derive(Debug)]
 pub(crate) struct PyHashes<'py> {
     seq: Bound<'py, PyAny>,
+    /// `seq` when it is a list (vLLM's case): items are read without type checks on it.
+    list: Option<Bound<'py, PyList>>,
     len: Result<usize, HashError>,
 }
 
 impl<'py> PyHashes<'py> {
     pub(crate) fn new(seq: Bound<'py, PyAny>) -> Self {
-        let len = match seq.cast::<PyList>() {
-            Ok(list) => Ok(list.len()),
-            Err(_) => seq.len().map_err(|_| HashError {
+        let list = seq.cast::<PyList>().ok().cloned();
+        let len = match &list {
+            Some(list) => Ok(list.len()),
+            None => seq.len().map_err(|_| HashError {
                 index: 0,
                 reason: format!("expected a sequence of bytes, got {}", type_name(&seq)),
             }),
         };
-        Self { seq, len }
-    }
-}
-
-impl HashSource for PyHashes<'_> {
-    fn num_hashes(&self) -> Result<usize, HashError> {
-        self.len.clone()
+        Self { seq, list, len }
     }
 
-    fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
+    /// The checked path: names what is wrong with an entry that is not plain bytes.
+    fn hash_checked(&self, index: usize) -> Result<BlockHash, HashError> {
         let bad = |reason: String| HashError { index, reason };
-        if let Ok(list) = self.seq.cast::<PyList>() {
-            if let Some(bytes) = list_bytes(list, index) {
-                return BlockHash::from_bytes(bytes).ok_or_else(|| bad("empty block hash".into()));
-            }
-        }
-        // Not a list of bytes: the checked path names what is wrong.
         let item = self
             .seq
             .get_item(index)
@@ -112,6 +106,22 @@ impl HashSource for PyHashes<'_> {
             ))
         })?;
         BlockHash::from_bytes(bytes.as_bytes()).ok_or_else(|| bad("empty block hash".into()))
+    }
+}
+
+impl HashSource for PyHashes<'_> {
+    fn num_hashes(&self) -> Result<usize, HashError> {
+        self.len.clone()
+    }
+
+    #[inline]
+    fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
+        if let Some(list) = &self.list {
+            if let Some(h) = list_bytes(list, index).and_then(BlockHash::from_bytes) {
+                return Ok(h);
+            }
+        }
+        self.hash_checked(index)
     }
 }
 
@@ -152,6 +162,10 @@ impl HashSource for MappedHashes<'_, '_> {
 
     fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
         self.get().hash(index)
+    }
+
+    fn hashes_into(&self, start: usize, out: &mut [BlockHash]) -> Result<(), HashError> {
+        self.get().hashes_into(start, out)
     }
 }
 

@@ -1,15 +1,15 @@
 //! Prefix lookups (with pinning) and turning accepted hits into loads.
 
 use crate::error::PlanError;
-use crate::key::{BlockId, BlockKey};
+use crate::key::{BlockHash, BlockId, BlockKey};
 
 use super::ledger::{Job, JobKind};
 use super::request::Hit;
 use super::types::{HashSource, LoadJob};
 use super::{live_entry, Planner, GROUP};
 
-/// Blocks per round of the probe pipeline in a fresh lookup: enough independent loads to
-/// fill the memory pipeline, few enough that a miss early in a chunk wastes little.
+/// Hashes converted per round in a fresh lookup: enough to pay the per-run costs once
+/// for many blocks, few enough that a miss early in a chunk wastes little.
 const PROBE_CHUNK: usize = 16;
 
 impl Planner {
@@ -98,37 +98,34 @@ impl Planner {
             }
         }
         r.release_hit(&mut self.cache);
-        // Hashes are read from the first block the lookup needs, and only until the
-        // first miss. Each chunk goes through the conversions, then the index probes,
-        // then the state checks: independent loads in a row overlap their cache misses
-        // (a cold lookup is bound by them, not by instructions).
+        // Hashes are read from the first block the lookup needs, a chunk at a time, and
+        // only until the chunk with the first miss. A prefix stored in one go sits in
+        // consecutive CPU blocks: each block is first looked for right after the
+        // previous hit (pool reads in order), and in the index only when it is not there.
         let mut blocks = Vec::new();
         let mut last = None;
-        let mut keys = [BlockKey::default(); PROBE_CHUNK];
-        let mut found = [None; PROBE_CHUNK];
+        let mut guess = BlockId::MAX;
+        let mut hs = [BlockHash::default(); PROBE_CHUNK];
         let mut i = start.min(limit);
         'chunks: while i < limit {
             let n = (limit - i).min(PROBE_CHUNK);
-            for (j, key) in keys[..n].iter_mut().enumerate() {
-                *key = BlockKey::new(GROUP, r.hash_at(hashes, i + j).map_err(bad)?);
-            }
-            for (key, slot) in keys[..n].iter().zip(&mut found[..n]) {
-                *slot = self.cache.index().get(key);
-            }
-            for (key, slot) in keys[..n].iter().zip(&found[..n]) {
-                match slot.filter(|b| self.cache.is_ready(*b)) {
-                    Some(b) => {
-                        blocks.push(b);
-                        last = Some(key.hash);
-                    }
-                    None => break 'chunks,
+            r.hashes_into(hashes, i, &mut hs[..n]).map_err(bad)?;
+            for h in &hs[..n] {
+                let Some(b) = self.cache.get_ready_near(&BlockKey::new(GROUP, *h), guess) else {
+                    break 'chunks;
+                };
+                if blocks.is_empty() {
+                    // A hit: room for the rest of the prefix at once.
+                    blocks.reserve(limit - i);
+                    r.hashes.reserve(limit - i);
                 }
+                // The block is ready, hence in range and pinnable.
+                let _ = self.cache.pin(b);
+                blocks.push(b);
+                last = Some(*h);
+                guess = b.wrapping_add(1);
             }
             i += n;
-        }
-        for &b in &blocks {
-            // The block is ready, hence in range and pinnable.
-            let _ = self.cache.pin(b);
         }
         let tokens = blocks.len() * bs;
         r.hit = Some(Hit {

@@ -146,6 +146,27 @@ impl Request {
         Ok(h)
     }
 
+    /// The hashes of blocks `start..start + out.len()` into `out`: known ones copied,
+    /// the rest read from `src` in one run (and kept when they extend the known prefix).
+    /// The caller verified the known prefix against `src` in this call.
+    pub(super) fn hashes_into<H: HashSource + ?Sized>(
+        &mut self,
+        src: &H,
+        start: usize,
+        out: &mut [BlockHash],
+    ) -> Result<(), HashError> {
+        let known = self.hashes.get(start..).unwrap_or_default();
+        let k = known.len().min(out.len());
+        out[..k].copy_from_slice(&known[..k]);
+        if k < out.len() {
+            src.hashes_into(start + k, &mut out[k..])?;
+            if start + k == self.hashes.len() {
+                self.hashes.extend_from_slice(&out[k..]);
+            }
+        }
+        Ok(())
+    }
+
     /// Drops what the planner knew about blocks `from..`.
     fn forget_from(&mut self, from: usize, cache: &mut BlockCache) {
         log::debug!(

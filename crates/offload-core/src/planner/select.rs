@@ -1,7 +1,7 @@
 //! Which GPU blocks to store: eager (every newly confirmed block of a running request)
 //! and lazy (blocks about to be evicted from the GPU).
 
-use crate::cache::BlockCache;
+use crate::cache::{BlockCache, Reservation};
 use crate::events::PlannerStats;
 use crate::key::{BlockHash, BlockId, BlockKey};
 
@@ -69,12 +69,9 @@ pub(super) fn select_eager(
     };
     for i in r.stored_upto..confirmed {
         let key = BlockKey::new(GROUP, r.hashes[i]);
-        if cache.contains(&key) {
-            stats.dedup_skipped += 1;
-            continue;
-        }
-        match cache.reserve(key) {
-            Some(block) => {
+        match cache.reserve_key(key) {
+            Reservation::Present => stats.dedup_skipped += 1,
+            Reservation::Reserved(block) => {
                 pending.entries.push(StoreEntry {
                     block,
                     hash: r.hashes[i],
@@ -86,7 +83,7 @@ pub(super) fn select_eager(
                 pending.gpu_blocks.push(r.gpu_blocks[i]);
                 selected = true;
             }
-            None => {
+            Reservation::NoSpace => {
                 // Every CPU block is pinned or in flight; the rest would not fit either.
                 stats.no_space_skipped += (confirmed - i) as u64;
                 break;
@@ -115,13 +112,16 @@ pub(super) fn select_lazy(
 ) -> Vec<u32> {
     let mut chosen = Vec::new();
     for (gpu, key) in candidates {
-        if cache.contains(&key) {
-            stats.dedup_skipped += 1;
-            continue;
-        }
-        let Some(block) = cache.reserve(key) else {
-            stats.no_space_skipped += 1;
-            break;
+        let block = match cache.reserve_key(key) {
+            Reservation::Reserved(block) => block,
+            Reservation::Present => {
+                stats.dedup_skipped += 1;
+                continue;
+            }
+            Reservation::NoSpace => {
+                stats.no_space_skipped += 1;
+                break;
+            }
         };
         pending.entries.push(StoreEntry {
             block,

@@ -113,6 +113,16 @@ pub trait HashSource {
 
     /// The hash at `index` (below [`Self::num_hashes`]).
     fn hash(&self, index: usize) -> Result<BlockHash, HashError>;
+
+    /// The hashes at `start..start + out.len()` (all below [`Self::num_hashes`]) into
+    /// `out`. A lookup reads a run of blocks at once: a source with a per-call cost
+    /// (a foreign list) overrides this to pay it once per run.
+    fn hashes_into(&self, start: usize, out: &mut [BlockHash]) -> Result<(), HashError> {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = self.hash(start + i)?;
+        }
+        Ok(())
+    }
 }
 
 impl HashSource for [BlockHash] {
@@ -125,6 +135,17 @@ impl HashSource for [BlockHash] {
             index,
             reason: "out of range".into(),
         })
+    }
+
+    fn hashes_into(&self, start: usize, out: &mut [BlockHash]) -> Result<(), HashError> {
+        let src = self
+            .get(start..start.saturating_add(out.len()))
+            .ok_or_else(|| HashError {
+                index: start.saturating_add(out.len()).saturating_sub(1),
+                reason: "out of range".into(),
+            })?;
+        out.copy_from_slice(src);
+        Ok(())
     }
 }
 
@@ -145,6 +166,10 @@ impl<H: HashSource + ?Sized> HashSource for &H {
 
     fn hash(&self, index: usize) -> Result<BlockHash, HashError> {
         (**self).hash(index)
+    }
+
+    fn hashes_into(&self, start: usize, out: &mut [BlockHash]) -> Result<(), HashError> {
+        (**self).hashes_into(start, out)
     }
 }
 
