@@ -99,6 +99,24 @@ def test_planner_round_trip_through_python() -> None:
     assert stats["stored_blocks"] == 4
 
 
+def test_planner_stats_delta_reports_each_increase_once() -> None:
+    p = _native.Planner(16, 64)
+    assert p.reads_scheduled_requests
+    assert not _native.Planner(16, 64, lazy=True).reads_scheduled_requests
+    hashes = [bytes([i]) * 32 for i in range(1, 5)]
+    assert p.take_stats_delta() == ([], 0)
+    p.lookup("a", hashes, 65, 0)
+    p.lookup("b", hashes, 65, 0)
+    assert p.take_stats_delta() == ([("lookups", 2)], 0)
+    assert p.take_stats_delta() == ([], 0)
+    gpu = [10, 11, 12, 13, 14]
+    p.on_alloc("a", gpu, 0, 0)
+    p.schedule(["a"], [0], [(gpu,)], [], [], [], set(), {"a": hashes})
+    p.schedule([], [], [], ["a"], [64], [None], set(), {"a": hashes})
+    # Four blocks are being written: in use, not yet stored.
+    assert p.take_stats_delta() == ([("store_blocks", 4)], 4)
+
+
 @pytest.mark.parametrize(
     ("call", "exc"),
     [

@@ -134,6 +134,13 @@ class Planner:
     @property
     def num_free_blocks(self) -> int: ...
     def stats(self) -> list[tuple[str, int]]: ...
+    @property
+    def reads_scheduled_requests(self) -> bool:
+        """Whether ``schedule`` reads the request lists (a lazy single-group planner
+        does not)."""
+    def take_stats_delta(self) -> tuple[list[tuple[str, int]], int]:
+        """``(counters that grew since the previous call as (name, increase),
+        CPU blocks in use)``."""
 
 # ---- worker side ----------------------------------------------------------------------
 

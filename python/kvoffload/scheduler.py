@@ -13,6 +13,7 @@ from kvoffload.vllm_adapter import (
     FreeQueueWalker,
     allocated_block_ids,
     logger,
+    preempted_ids,
     scheduled_lists,
     skips_prefix_cache,
 )
@@ -20,6 +21,9 @@ from kvoffload.vllm_adapter import (
 #: Lazy mode keeps this many steps' worth of batched tokens offloaded ahead of eviction
 #: (the same watermark as vLLM's SimpleCPUOffloadConnector).
 LAZY_WATERMARK_STEPS = 2
+
+#: The request lists of ``Planner.schedule`` when the planner does not read them.
+NO_REQUESTS: tuple[Any, ...] = ([], [], [], [], [], [], ())
 
 
 class OffloadScheduler:
@@ -111,7 +115,11 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         after_forward = self._stores_after_forward
-        *lists, preempted, num_scheduled = scheduled_lists(scheduler_output)
+        if self._planner.reads_scheduled_requests:
+            *lists, preempted, num_scheduled = scheduled_lists(scheduler_output)
+        else:
+            lists, num_scheduled = NO_REQUESTS, None
+            preempted = preempted_ids(scheduler_output)
         lazy_ids = lazy_hashes = None
         if self._lazy and self._walker is not None:
             lazy_ids, lazy_hashes = self._walker.candidates(self._lazy_limit)
@@ -200,6 +208,6 @@ class OffloadScheduler:
         if not self._stats.due():
             return None
         p = self._planner
-        capacity = p.num_cpu_blocks
-        gauges = {"cpu_blocks_used": capacity - p.num_free_blocks, "cpu_blocks_capacity": capacity}
-        return self._stats.delta(p.stats(), gauges)
+        deltas, used = p.take_stats_delta()
+        gauges = {"cpu_blocks_used": used, "cpu_blocks_capacity": p.num_cpu_blocks}
+        return self._stats.report(deltas, gauges)

@@ -168,22 +168,28 @@ class CounterDeltas:
         gauges: dict[str, int] | None = None,
         times: dict[str, list[float]] | None = None,
     ) -> KVOffloadStats | None:
-        data = _empty()
+        deltas = []
         last = self._last
         for name, value in counters:
             d = value - last.get(name, 0)
             if d:
-                data[COUNTERS][name] = d
+                deltas.append((name, d))
                 last[name] = value
-        for name, value in (gauges or {}).items():
-            if self._gauges.get(name) != value:
-                data[GAUGES][name] = value
-                self._gauges[name] = value
-        for name, values in (times or {}).items():
-            if values:
-                data[TIMES][name] = values
-        stats = KVOffloadStats(data=data)
-        return None if stats.is_empty() else stats
+        return self.report(deltas, gauges, times)
+
+    def report(
+        self,
+        deltas: list[tuple[str, int]],
+        gauges: dict[str, int] | None = None,
+        times: dict[str, list[float]] | None = None,
+    ) -> KVOffloadStats | None:
+        """Like :meth:`delta`, from counter increases computed by the caller."""
+        changed = {n: v for n, v in (gauges or {}).items() if self._gauges.get(n) != v}
+        new_times = {n: v for n, v in (times or {}).items() if v}
+        if not deltas and not changed and not new_times:
+            return None
+        self._gauges.update(changed)
+        return KVOffloadStats(data={COUNTERS: dict(deltas), GAUGES: changed, TIMES: new_times})
 
 
 class KVOffloadPromMetrics(KVConnectorPromMetrics):

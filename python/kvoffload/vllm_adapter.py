@@ -189,7 +189,6 @@ def scheduled_lists(scheduler_output: Any) -> tuple[Any, ...]:
     if resumed is None:  # vLLM < 0.11 spelled it as a per-request flag list
         flags = getattr(cached, "resumed_from_preemption", ())
         resumed = {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
-    preempted = scheduler_output.preempted_req_ids
     return (
         [r.req_id for r in new],
         [r.num_computed_tokens for r in new],
@@ -198,9 +197,15 @@ def scheduled_lists(scheduler_output: Any) -> tuple[Any, ...]:
         cached.num_computed_tokens,
         cached.new_block_ids,
         resumed,
-        list(preempted) if preempted else [],
+        preempted_ids(scheduler_output),
         scheduler_output.num_scheduled_tokens,
     )
+
+
+def preempted_ids(scheduler_output: Any) -> list[str]:
+    """The step's preempted request ids (the workers drop their transfers)."""
+    preempted = scheduler_output.preempted_req_ids
+    return list(preempted) if preempted else []
 
 
 def allocated_block_ids(blocks: Any) -> list[int]:

@@ -2,8 +2,8 @@
 //! decision is the core's (`offload_core::Planner`); this file converts.
 
 use offload_core::{
-    BlockHash, BlockKey, KvEvent, LazyCandidate, Planner, PlannerConfig, ScheduleKind,
-    ScheduledRequest, StepPlan,
+    BlockHash, BlockKey, KvEvent, LazyCandidate, Planner, PlannerConfig, PlannerStats,
+    ScheduleKind, ScheduledRequest, StepPlan,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PyString, PyTuple};
@@ -39,6 +39,8 @@ type CompleteTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u64>);
 #[derive(Debug)]
 pub(crate) struct PyPlanner {
     inner: Planner,
+    /// The counters as of the last `take_stats_delta`.
+    reported: PlannerStats,
 }
 
 pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
@@ -86,6 +88,7 @@ impl PyPlanner {
         .with_stores_after_forward(stores_after_forward);
         Ok(Self {
             inner: Planner::new(cfg),
+            reported: PlannerStats::default(),
         })
     }
 
@@ -243,12 +246,7 @@ impl PyPlanner {
     /// Applies per-rank reports `(transfer_id, ok)`; returns
     /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
     /// retired_stores)` (`retired_stores`: with events on, the store ids that retired).
-    fn complete(
-        &mut self,
-        py: Python<'_>,
-        transfer_ids: Vec<u64>,
-        ok: Vec<bool>,
-    ) -> PyResult<CompleteTuple> {
+    fn complete(&mut self, transfer_ids: Vec<u64>, ok: Vec<bool>) -> PyResult<CompleteTuple> {
         if transfer_ids.len() != ok.len() {
             return Err(INVALID_INPUT_ERROR.err(format!(
                 "complete: {} transfer ids but {} results",
@@ -256,11 +254,10 @@ impl PyPlanner {
                 ok.len()
             )));
         }
-        let inner = &mut self.inner;
-        let (res, c) = py.detach(|| {
-            let res = inner.complete_all(transfer_ids.into_iter().zip(ok));
-            (res, inner.take_completions())
-        });
+        // Bookkeeping only (microseconds): releasing the GIL around it would cost more
+        // than it lets other threads run.
+        let res = self.inner.complete_all(transfer_ids.into_iter().zip(ok));
+        let c = self.inner.take_completions();
         let out = (
             c.finished_sending,
             c.finished_recving,
@@ -312,6 +309,13 @@ impl PyPlanner {
         self.inner.has_pending_plan()
     }
 
+    /// Whether `schedule` reads the request lists (see
+    /// `offload_core::Planner::reads_scheduled_requests`).
+    #[getter]
+    fn reads_scheduled_requests(&self) -> bool {
+        self.inner.reads_scheduled_requests()
+    }
+
     #[getter]
     fn num_requests(&self) -> usize {
         self.inner.num_requests()
@@ -329,22 +333,44 @@ impl PyPlanner {
 
     /// Counters since construction, by name.
     fn stats(&self) -> Vec<(&'static str, u64)> {
-        let s = self.inner.stats();
-        vec![
-            ("lookups", s.lookups),
-            ("cached_lookups", s.cached_lookups),
-            ("hit_tokens", s.hit_tokens),
-            ("load_blocks", s.load_blocks),
-            ("store_blocks", s.store_blocks),
-            ("stored_blocks", s.stored_blocks),
-            ("dedup_skipped", s.dedup_skipped),
-            ("no_space_skipped", s.no_space_skipped),
-            ("evicted_blocks", s.evicted_blocks),
-            ("failed_loads", s.failed_loads),
-            ("failed_stores", s.failed_stores),
-            ("rewritten_hash_lists", s.rewritten_hash_lists),
-        ]
+        counters(&self.inner.stats()).to_vec()
     }
+
+    /// The counters that grew since the previous call, as `(name, increase)`, and the CPU
+    /// blocks in use (cached or being written). vLLM asks for stats after every step:
+    /// comparing here keeps that call from building and diffing every counter in Python.
+    fn take_stats_delta(&mut self) -> (Vec<(&'static str, u64)>, usize) {
+        let now = self.inner.stats();
+        let before = counters(&self.reported);
+        let deltas = counters(&now)
+            .into_iter()
+            .zip(before)
+            .filter(|((_, v), (_, was))| v != was)
+            .map(|((name, v), (_, was))| (name, v.saturating_sub(was)))
+            .collect();
+        self.reported = now;
+        let cache = self.inner.cache();
+        let used = cache.capacity() as usize - cache.pool().num_free();
+        (deltas, used)
+    }
+}
+
+/// The planner's counters by name, in one place for every reader.
+fn counters(s: &PlannerStats) -> [(&'static str, u64); 12] {
+    [
+        ("lookups", s.lookups),
+        ("cached_lookups", s.cached_lookups),
+        ("hit_tokens", s.hit_tokens),
+        ("load_blocks", s.load_blocks),
+        ("store_blocks", s.store_blocks),
+        ("stored_blocks", s.stored_blocks),
+        ("dedup_skipped", s.dedup_skipped),
+        ("no_space_skipped", s.no_space_skipped),
+        ("evicted_blocks", s.evicted_blocks),
+        ("failed_loads", s.failed_loads),
+        ("failed_stores", s.failed_stores),
+        ("rewritten_hash_lists", s.rewritten_hash_lists),
+    ]
 }
 
 /// A request id, which must be a `str`.

@@ -372,6 +372,14 @@ impl Planner {
         !self.ledger.is_empty() || !self.pending_loads.is_empty() || !self.pending_store.is_empty()
     }
 
+    /// Whether [`Self::schedule`] reads the step's scheduled requests. A lazy planner
+    /// with one KV-cache group stores only the lazy candidates and learns each request's
+    /// GPU blocks from [`Self::on_alloc`], so its caller may pass no requests and skip
+    /// building their lists every step.
+    pub fn reads_scheduled_requests(&self) -> bool {
+        !self.cfg.lazy || self.groups.is_some()
+    }
+
     /// Whether transfers were chosen that the next [`Self::schedule`] hands out.
     pub fn has_pending_plan(&self) -> bool {
         !self.pending_loads.is_empty() || !self.pending_store.is_empty()
