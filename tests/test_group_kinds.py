@@ -1,16 +1,17 @@
-"""kvoffload offloads full-attention KV only and refuses any other KV-cache group at
-construction, naming the group kind and the model: a group that frees blocks from a
-running request's table (sliding window, chunked local attention, Mamba) would otherwise
-be stored from blocks vLLM already gave away."""
+"""KV-cache group kinds: full attention (MLA included) and sliding window are offloaded
+with vLLM's hybrid allocator kept on (``SupportsHMA``), each group planned by its own hit
+rule; kinds whose blocks vLLM frees or rewrites by other rules (chunked local attention,
+Mamba) are refused at construction, naming the group kind and the model."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvoffload import ConfigError
+from kvoffload import ConfigError, InvalidInputError
 from sched_harness import BLOCK_SIZE, HEAD_SIZE, SchedHarness, full_attention, sliding_window
 from sched_harness import model_config_dir as sched_model_dir
 
@@ -59,22 +60,11 @@ def mla() -> Any:
 @pytest.mark.parametrize(
     ("groups", "kind"),
     [
-        pytest.param(
-            lambda: [([LAYER], sliding_window(2 * BLOCK_SIZE))], "sliding_window", id="sw"
-        ),
         pytest.param(lambda: [([LAYER], chunked_local())], "chunked_local_attention", id="chunked"),
         pytest.param(
             lambda: [([LAYER], full_attention()), (["model.layers.1.mixer"], mamba())],
             "group 1: mamba",
             id="full+mamba",
-        ),
-        pytest.param(
-            lambda: [
-                ([LAYER], full_attention()),
-                (["model.layers.1.self_attn.attn"], sliding_window(2 * BLOCK_SIZE)),
-            ],
-            "group 1: sliding_window",
-            id="full+sw",
         ),
     ],
 )
@@ -84,7 +74,11 @@ def test_group_kind_other_than_full_attention_refused(model: Path, groups: Any, 
     assert str(model) in str(info.value)
 
 
-@pytest.mark.parametrize("spec", [full_attention, mla], ids=["full", "mla"])
+@pytest.mark.parametrize(
+    "spec",
+    [full_attention, mla, lambda: sliding_window(2 * BLOCK_SIZE)],
+    ids=["full", "mla", "sw"],
+)
 def test_full_attention_kinds_accepted(model: Path, spec: Any) -> None:
     h = SchedHarness(model, groups=[([LAYER], spec())])
     assert h.offload is not None
@@ -94,61 +88,120 @@ def test_full_attention_kinds_accepted(model: Path, spec: Any) -> None:
     assert h.cpu_hit_tokens(prompt) == 2 * h.block_size
 
 
-def sliding_window_llama(tiny: Path, path: Path, layer_types: list[str] | None = None) -> Path:
-    """The tiny Llama (same weights) with 256-token sliding-window layers: every layer by
-    default, for which vLLM keeps its only KV-cache group a sliding window even with the
-    hybrid manager off."""
+def sliding_window_llama(tiny: Path, path: Path, layer_types: list[str]) -> Path:
+    """The tiny Llama (same weights) with 256-token (2-block) sliding-window layers where
+    ``layer_types`` says ``sliding_attention``."""
     import json
     import shutil
 
     shutil.copytree(tiny, path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["layer_types"] = layer_types or ["sliding_attention"] * cfg["num_hidden_layers"]
+    cfg["layer_types"] = layer_types
     cfg["sliding_window"] = 256
     (path / "config.json").write_text(json.dumps(cfg))
     return path
 
 
-def test_sliding_window_model_refused_by_the_engine(tiny_model: Path, tmp_path: Path) -> None:
-    from vllm_harness import engine, offload_config
-
-    model = sliding_window_llama(tiny_model, tmp_path / "sliding_llama")
-    with (
-        pytest.raises(ConfigError, match="group 0: sliding_window") as info,
-        engine(model, offload_config()),
-    ):
-        pass
-    assert str(model) in str(info.value)
+#: Eight 900-token system prompts (7 blocks) cycling through requests admitted two at a
+#: time: the 64-block GPU cache evicts a prompt before it comes back.
+HYBRID_PROMPTS_ARGS = {"n_requests": 16, "n_systems": 8, "system_tokens": 900}
+HYBRID_ENGINE_ARGS: dict[str, Any] = {"max_num_seqs": 2}
 
 
-def test_sliding_and_full_layers_offloaded_as_full_attention(
-    tiny_model: Path, tmp_path: Path
-) -> None:
-    """Sliding-window and full-attention layers: with kvoffload vLLM turns its hybrid
-    manager off and keeps full KV for every layer, one full-attention group, which is
-    offloaded; outputs equal the engine without kvoffload (hybrid manager on)."""
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(["sliding_attention", "full_attention"], id="sliding+full"),
+        pytest.param(["sliding_attention", "sliding_attention"], id="sliding-only"),
+    ],
+)
+def hybrid(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: Any) -> Any:
+    """A windowed tiny Llama and its outputs without kvoffload (vLLM's hybrid allocator
+    on), computed twice to show they are deterministic."""
+    from vllm_harness import engine, generate, shared_prefix_prompts
+
+    model = sliding_window_llama(tiny_model, tmp_path_factory.mktemp("hybrid") / "m", request.param)
+    prompts = shared_prefix_prompts(**HYBRID_PROMPTS_ARGS)
+    with engine(model, **HYBRID_ENGINE_ARGS) as llm:
+        reference = generate(llm, prompts)
+        assert llm.reset_prefix_cache()
+        assert generate(llm, prompts) == reference
+    return model, prompts, reference, request.param
+
+
+def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any) -> None:
+    """With kvoffload selected vLLM keeps its hybrid allocator (sliding-window groups hold
+    only their window); outputs under eviction and after the GPU prefix cache is dropped
+    (every prefix then loads from CPU, sliding-window groups only their window) equal the
+    engine without kvoffload."""
     from vllm_harness import (
         cpu_hit_tokens,
-        distinct_prompts,
+        drain,
+        engine,
+        generate,
+        offload_config,
+        planner_stats,
+        reset_gpu_prefix_cache,
+        scheduler_connector,
+        worker_connector,
+    )
+
+    model, prompts, reference, layer_types = hybrid
+    with engine(model, offload_config(), **HYBRID_ENGINE_ARGS) as llm:
+        core = llm.llm_engine.engine_core.engine_core
+        assert core.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        groups = core.scheduler.kv_cache_config.kv_cache_groups
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        expected = {"sliding_attention": "SlidingWindowSpec", "full_attention": "FullAttentionSpec"}
+        assert kinds == sorted({expected[t] for t in layer_types})
+        # The groups' layers overlay one allocation: a CPU block is one block id's bytes,
+        # sized the same by the scheduler and the worker.
+        planner = scheduler_connector(llm).offload_scheduler.planner
+        assert planner.num_groups == len(groups)
+        assert planner.num_cpu_blocks == worker_connector().offload_worker.engine.num_cpu_blocks
+        assert generate(llm, prompts) == reference
+        evicting = cpu_hit_tokens(llm)
+        drain(llm)
+        reset_gpu_prefix_cache(llm)
+        assert generate(llm, prompts) == reference
+        hits = cpu_hit_tokens(llm)
+        stats = planner_stats(llm)
+    if "full_attention" in layer_types:
+        # Full-attention prefixes outgrow the GPU cache; a sliding-only model keeps just
+        # the windows there, which fit, so its CPU hits come after the reset.
+        assert evicting > 0
+    assert hits > evicting
+    assert stats["failed_loads"] == 0
+
+
+def test_windowed_model_reacts_to_its_cpu_blocks(hybrid: Any) -> None:
+    """Guards the equality test: corrupting the CPU copies changes the output (for the
+    sliding-only model, every loaded block is a sliding-window block)."""
+    import torch
+
+    from vllm_harness import (
+        drain,
         engine,
         generate,
         offload_config,
         reset_gpu_prefix_cache,
+        worker_connector,
     )
 
-    model = sliding_window_llama(
-        tiny_model, tmp_path / "mixed_llama", ["sliding_attention", "full_attention"]
-    )
-    prompts = distinct_prompts(4, 600)
-    with engine(model) as llm:
-        reference = generate(llm, prompts)
-    with engine(model, offload_config()) as llm:
-        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
-        assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec"]
-        first = generate(llm, prompts)
+    model, prompts, reference, _ = hybrid
+    with engine(model, offload_config(), **HYBRID_ENGINE_ARGS) as llm:
+        assert generate(llm, prompts) == reference
+        drain(llm)
         reset_gpu_prefix_cache(llm)
-        again = generate(llm, prompts)
-        hits = cpu_hit_tokens(llm)
-    assert first == reference
-    assert again == reference
-    assert hits > 0
+        engine_ = worker_connector().offload_worker.engine
+        # One region per KV allocation (sliding+full: both layers overlay one).
+        sizes = []
+        with contextlib.suppress(InvalidInputError):
+            while True:
+                sizes.append(len(engine_.read_cpu_block(len(sizes), 0)))
+        assert sum(sizes) == engine_.cpu_block_bytes
+        for block in range(engine_.num_cpu_blocks):
+            for region, size in enumerate(sizes):
+                noise = torch.randn(size // 4).numpy().tobytes()  # float32 KV
+                engine_.write_cpu_block(region, block, noise)
+        assert generate(llm, prompts) != reference

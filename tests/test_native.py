@@ -76,10 +76,10 @@ def test_planner_round_trip_through_python() -> None:
     p.lookup("a", hashes, 65, 0)
     gpu = [10, 11, 12, 13, 14]
     p.on_alloc("a", gpu, 0, 0)
-    loads, store, held, _ = p.schedule(["a"], [0], [(gpu,)], [], [], [], set(), {"a": hashes})
+    loads, store, held, _, _ = p.schedule(["a"], [0], [(gpu,)], [], [], [], set(), {"a": hashes})
     # Prefix-hit blocks of a new request wait a step.
     assert (loads, store, held) == ([], None, [])
-    loads, store, held, _ = p.schedule([], [], [], ["a"], [64], [None], set(), {"a": hashes})
+    loads, store, held, _, _ = p.schedule([], [], [], ["a"], [64], [None], set(), {"a": hashes})
     assert store is not None
     tid, gpu_b, cpu_b, reqs = store
     assert gpu_b == ids(10, 11, 12, 13)
@@ -89,7 +89,7 @@ def test_planner_round_trip_through_python() -> None:
     assert (sending, recving, errors, released) == (["a"], [], [], [])
     assert p.lookup("b", hashes, 65, 0) == 64
     p.on_alloc("b", [20, 21, 22, 23, 24], 0, 64)
-    loads, store, _, _ = p.schedule(["b"], [0], [None], [], [], [], set(), {"b": hashes})
+    loads, store, _, _, _ = p.schedule(["b"], [0], [None], [], [], [], set(), {"b": hashes})
     assert store is None
     (ltid, req, lgpu, lcpu, valid, sync) = loads[0]
     assert (req, lgpu, lcpu, valid, sync) == ("b", ids(20, 21, 22, 23), cpu_b, True, False)

@@ -29,7 +29,10 @@ DISK_GAP = (
     "no disk tier: kvoffload has no disk_capacity_bytes (an unknown key, ignored) and no "
     "STORAGE medium"
 )
-HMA_GAP = "several KV-cache groups: kvoffload is not SupportsHMA and refuses them at construction"
+HMA_GAP = (
+    "KV-cache groups kvoffload refuses at construction: Mamba groups, and groups whose block "
+    "sizes differ (kvoffload plans one block size)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +237,6 @@ def test_mamba_block_size_not_scaled(model: Path) -> None:
     assert {e.block_size for e in mamba} == {2 * BS}
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError, reason=HMA_GAP)
 def test_multi_group_fa_block_stored_group_idx(model: Path) -> None:
     h = SchedHarness(
         model,

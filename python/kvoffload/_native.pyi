@@ -80,7 +80,12 @@ class Planner:
         events: bool = False,
         sync_loads: bool = False,
         stores_after_forward: bool = False,
-    ) -> Planner: ...
+        groups: Sequence[tuple[str, int | None]] | None = None,
+    ) -> Planner:
+        """``groups``: per KV-cache group, vLLM's spec kind (``"full_attention"``,
+        ``"mla_attention"``, ``"sliding_window"``) and the tokens a sliding-window group
+        keeps (``sliding_window + extra_retained_tokens``; ``None`` otherwise). Omitted:
+        one full-attention group."""
     def lookup(
         self,
         req_id: str,
@@ -91,10 +96,12 @@ class Planner:
     def on_alloc(
         self,
         req_id: str,
-        gpu_block_ids: Sequence[int] | None,
+        gpu_block_ids: Sequence[int] | tuple[Sequence[int], ...] | None,
         num_computed_tokens: int,
         num_external_tokens: int,
-    ) -> None: ...
+    ) -> None:
+        """``gpu_block_ids``: group 0's ids, or a tuple of one list per KV-cache group
+        (vLLM's ``KVCacheBlocks.get_block_ids()``)."""
     def schedule(
         self,
         new_req_ids: list[str],
@@ -109,11 +116,15 @@ class Planner:
         lazy_block_hashes: list[bytes] | None = None,
         strip: int = 0,
         num_scheduled_tokens: Mapping[str, int] | None = None,
-    ) -> tuple[list[_LoadTuple], _StoreTuple | None, list[int], list[tuple[int, int] | None]]:
-        """Returns ``(loads, store, held_gpu_blocks, store_sources)``: lazy mode's selected
-        GPU blocks must be kept from reuse until ``complete`` releases them; with events
-        on, ``store_sources`` says for each stored block its request's index in the
-        store's ``req_ids`` and its block position (``None``: a lazy candidate)."""
+    ) -> tuple[
+        list[_LoadTuple], _StoreTuple | None, list[int], list[tuple[int, int] | None], list[int]
+    ]:
+        """Returns ``(loads, store, held_gpu_blocks, store_sources, store_groups)``: held
+        GPU blocks (lazy mode's selected blocks, sliding-window blocks a multi-group store
+        reads) must be kept from reuse until ``complete`` releases them; with events on,
+        ``store_sources`` says for each stored block its request's index in the store's
+        ``req_ids`` and its block position (``None``: a lazy candidate); with several
+        KV-cache groups, ``store_groups`` says each stored block's group."""
     def request_finished(
         self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int
     ) -> bool: ...
@@ -127,6 +138,8 @@ class Planner:
     def reset(self) -> None: ...
     def has_work_in_flight(self) -> bool: ...
     def has_pending_plan(self) -> bool: ...
+    @property
+    def num_groups(self) -> int: ...
     @property
     def num_requests(self) -> int: ...
     @property

@@ -17,11 +17,14 @@ from kvoffload.vllm_adapter import (
     KVConnectorRole,
     KVConnectorStats,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
     block_size,
     bytes_per_block,
-    event_spec,
+    event_specs,
     extra_config,
     kv_events_enabled,
+    kv_group_block_sizes,
+    kv_group_kinds,
     kv_in_host_memory,
     logger,
     max_num_batched_tokens,
@@ -40,8 +43,11 @@ if TYPE_CHECKING:
     from kvoffload.worker import OffloadWorker
 
 
-class KVOffloadConnector(KVConnectorBase_V1):
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Keeps KV blocks evicted from the GPU in host memory and loads them back.
+
+    Supports vLLM's hybrid allocator (``SupportsHMA``): full-attention and sliding-window
+    KV-cache groups are planned per group; other kinds are refused at construction.
 
     Config (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (total over ranks,
     default 8 GiB), ``cpu_bytes_to_use_per_rank`` (wins), ``lazy_offload`` (default
@@ -56,6 +62,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
+        self._num_groups = 1
         try:
             config, warnings = parse_config(extra_config(vllm_config), world_size(vllm_config))
         except ConfigError as e:
@@ -78,16 +85,18 @@ class KVOffloadConnector(KVConnectorBase_V1):
             kinds = ", ".join(f"group {i}: {kind}" for i, kind in unsupported)
             msg = (
                 f"KVOffloadConnector cannot offload model {model_name(vllm_config)}: its "
-                f"KV-cache groups include kinds other than full attention ({kinds}); "
-                "kvoffload offloads full-attention (and MLA) KV only"
+                f"KV-cache groups include kinds other than full attention and sliding "
+                f"window ({kinds}); kvoffload offloads full-attention (MLA included) and "
+                "sliding-window KV only"
             )
             logger.error(msg)
             raise ConfigError(msg)
-        groups = num_kv_groups(kv_cache_config)
-        if groups != 1:
+        self._num_groups = num_kv_groups(kv_cache_config)
+        if len(set(kv_group_block_sizes(kv_cache_config))) > 1:
             msg = (
-                f"KVOffloadConnector supports models with one KV-cache group; this model "
-                f"has {groups} (hybrid attention)"
+                f"KVOffloadConnector cannot offload model {model_name(vllm_config)}: its "
+                f"KV-cache groups use different block sizes "
+                f"({kv_group_block_sizes(kv_cache_config)}); kvoffload plans one block size"
             )
             logger.error(msg)
             raise ConfigError(msg)
@@ -117,12 +126,13 @@ class KVOffloadConnector(KVConnectorBase_V1):
             config,
             block_size=block_size(kv_cache_config, vllm_config),
             num_cpu_blocks=num_cpu_blocks,
-            events=event_spec(kv_cache_config) if kv_events_enabled(vllm_config) else None,
+            events=event_specs(kv_cache_config) if kv_events_enabled(vllm_config) else None,
             max_num_batched_tokens=max_num_batched_tokens(vllm_config),
             sync_loads=sync,
             # Copies within host memory finish inside the step (load_mode "sync", the
             # default there), stores included (see wait_for_save).
             stores_after_forward=sync and host,
+            groups=kv_group_kinds(kv_cache_config),
         )
         logger.info(
             "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
@@ -139,8 +149,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
         return requested_kv_cache_layout(config.kv_cache_layout)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        # One KV-cache group (checked at construction); vLLM asks for every async load.
-        return (0,)
+        # A load fills every group's blocks of the hit; vLLM asks for every async load.
+        return tuple(range(self._num_groups))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -211,6 +221,14 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # The planner tracks every group's blocks itself; the finish flushes them all.
         if self._scheduler is None:
             return False, None
         return self._scheduler.request_finished(request), None

@@ -4,8 +4,9 @@ The planner decides what was stored and evicted and keys blocks by the first 128
 vLLM's hash; a router correlates tiers by vLLM's full hash (converted by
 ``maybe_convert_block_hash``) and wants the block's tokens. Those come from the request,
 which only the scheduler adapter holds, and only until it finishes: so each stored block
-is snapshotted when its store is issued, keyed by the planner's key, and the snapshot is
-turned into a ``BlockStored`` when the planner publishes the block (every rank copied it).
+is snapshotted when its store is issued, keyed by its KV-cache group and the planner's key,
+and the snapshot is turned into a ``BlockStored`` (with its group's ``group_idx`` and spec)
+when the planner publishes the block (every rank copied it).
 Resident blocks keep only their published hash, for the ``BlockRemoved`` of their eviction.
 Memory: one snapshot per block in flight (dropped when its store retires, published or
 failed) and one hash per block on CPU.
@@ -41,12 +42,13 @@ def planner_key(block_hash: bytes) -> bytes:
 class CpuEventLog:
     """Snapshots stored blocks at issue time and turns the planner's events into vLLM's."""
 
-    def __init__(self, block_size: int, spec: EventSpec) -> None:
+    def __init__(self, block_size: int, specs: list[EventSpec]) -> None:
         self._block_size = block_size
-        self._spec = spec
-        self._in_flight: dict[bytes, BlockMeta] = {}
-        self._by_transfer: dict[int, list[bytes]] = {}
-        self._resident: dict[bytes, Any] = {}
+        self._specs = specs
+        # Keyed by (KV-cache group, planner key): groups store the same hash separately.
+        self._in_flight: dict[tuple[int, bytes], BlockMeta] = {}
+        self._by_transfer: dict[int, list[tuple[int, bytes]]] = {}
+        self._resident: dict[tuple[int, bytes], Any] = {}
         self._out: list[Any] = []
 
     @property
@@ -65,27 +67,31 @@ class CpuEventLog:
         sources: list[tuple[int, int] | None],
         requests: dict[str, Any],
         lazy_hashes: dict[int, bytes],
+        groups: list[int] | None = None,
     ) -> None:
         """Snapshots the blocks of the store just issued. ``sources``: per block, its
         request's index in the store's ``req_ids`` and its position (``None``: lazy);
         ``requests``: the requests by id; ``lazy_hashes``: lazy candidates' hashes (with
-        vLLM's group id) by GPU block id."""
+        vLLM's group id) by GPU block id; ``groups``: per block, its KV-cache group
+        (empty or ``None``: all group 0)."""
         tid, gpu_blocks, _cpu, req_ids = store[:4]
         gpu = memoryview(gpu_blocks).cast("I")
-        keys: list[bytes] = []
+        keys: list[tuple[int, bytes]] = []
         for j, src in enumerate(sources):
+            group = groups[j] if groups else 0
             if src is None:
                 h = lazy_hashes.get(gpu[j])
                 if h is None:
                     continue
                 raw, meta = h[:-GROUP_ID_BYTES], gpu_block_meta(h)
+                group = int.from_bytes(h[-GROUP_ID_BYTES:], "big")
             else:
                 request = requests.get(req_ids[src[0]])
                 if request is None or src[1] >= len(request.block_hashes):
                     continue
                 raw = request.block_hashes[src[1]]
                 meta = request_block_meta(request, src[1], self._block_size)
-            key = planner_key(raw)
+            key = (group, planner_key(raw))
             self._in_flight[key] = meta
             keys.append(key)
         if len(keys) < len(sources):
@@ -110,20 +116,23 @@ class CpuEventLog:
         for ev in planner_events:
             kind = ev[0]
             if kind == "stored":
+                group = ev[1]
+                spec = self._specs[group]
                 for key in ev[2]:
-                    meta = self._in_flight.pop(key, None)
+                    meta = self._in_flight.pop((group, key), None)
                     if meta is None:
                         continue
-                    self._resident[key] = meta.block_hash
-                    out.append(block_stored(meta, ev[4], self._spec))
+                    self._resident[(group, key)] = meta.block_hash
+                    out.append(block_stored(meta, ev[4], spec, group))
             elif kind == "removed":
+                group = ev[1]
                 gone = []
                 for key in ev[2]:
-                    h = self._resident.pop(key, None)
+                    h = self._resident.pop((group, key), None)
                     if h is not None:
                         gone.append(h)
                 if gone:
-                    out.append(block_removed(gone))
+                    out.append(block_removed(gone, group))
             else:
                 self._resident.clear()
                 out.append(all_blocks_cleared())

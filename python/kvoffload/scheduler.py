@@ -11,7 +11,9 @@ from kvoffload.stats import CounterDeltas, KVOffloadStats
 from kvoffload.vllm_adapter import (
     EventSpec,
     FreeQueueWalker,
+    GpuBlockHolder,
     allocated_block_ids,
+    allocated_block_ids_per_group,
     logger,
     preempted_ids,
     scheduled_lists,
@@ -35,20 +37,26 @@ class OffloadScheduler:
         *,
         block_size: int,
         num_cpu_blocks: int,
-        events: EventSpec | None,
+        events: list[EventSpec] | None,
         max_num_batched_tokens: int,
         sync_loads: bool,
         stores_after_forward: bool = False,
+        groups: list[tuple[str, int | None]] | None = None,
     ) -> None:
-        self._planner_args = {
+        self._planner_args: dict[str, Any] = {
             "world_size": config.world_size,
             "lazy": config.lazy_offload,
             "events": events is not None,
             "sync_loads": sync_loads,
             "stores_after_forward": stores_after_forward,
+            "groups": groups,
         }
         self._block_size = block_size
         self._planner = Planner(block_size, num_cpu_blocks, **self._planner_args)
+        # Several groups: vLLM's block ids of every group go to the planner.
+        self._multi_group = self._planner.num_groups > 1 or (
+            groups is not None and groups[0][0] == "sliding_window"
+        )
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward
         # With events on: the log of CPU events, and the requests it snapshots blocks of
@@ -63,6 +71,8 @@ class OffloadScheduler:
         # and checks it against what it read before.
         self._hash_lists: dict[str, Any] = {}
         self._walker: FreeQueueWalker | None = None
+        # Holds GPU blocks a multi-group store reads that vLLM frees from running requests.
+        self._holder: GpuBlockHolder | None = None
         self._stats = CounterDeltas()
 
     @property
@@ -91,6 +101,8 @@ class OffloadScheduler:
         # Only lazy mode walks the free queue (the walker follows the queue's removals).
         if self._lazy:
             self._walker = FreeQueueWalker(gpu_block_pool)
+        elif self._multi_group:
+            self._holder = GpuBlockHolder(gpu_block_pool)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -108,7 +120,12 @@ class OffloadScheduler:
         return hit, hit > 0 and self._async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        gpu = allocated_block_ids(blocks) if num_external_tokens > 0 else None
+        if num_external_tokens <= 0:
+            gpu = None
+        elif self._multi_group:
+            gpu = allocated_block_ids_per_group(blocks)
+        else:
+            gpu = allocated_block_ids(blocks)
         self._planner.on_alloc(
             request.request_id, gpu, request.num_computed_tokens, num_external_tokens
         )
@@ -123,7 +140,7 @@ class OffloadScheduler:
         lazy_ids = lazy_hashes = None
         if self._lazy and self._walker is not None:
             lazy_ids, lazy_hashes = self._walker.candidates(self._lazy_limit)
-        loads, store, held, sources = self._planner.schedule(
+        loads, store, held, sources, groups = self._planner.schedule(
             *lists,
             self._hash_lists,
             lazy_ids,
@@ -135,10 +152,12 @@ class OffloadScheduler:
             if store is not None:
                 requests = self._requests if not self._finished else self._finished_first()
                 lazy = dict(zip(lazy_ids, lazy_hashes, strict=True)) if lazy_ids else {}
-                self._events.store_issued(store, sources, requests, lazy)
+                self._events.store_issued(store, sources, requests, lazy, groups)
             self._finished.clear()
-        if held and self._walker is not None:
-            self._walker.hold(held)
+        if held:
+            holder = self._walker or self._holder
+            if holder is not None:
+                holder.hold(held)
         if after_forward:
             return KVOffloadMetadata(
                 loads=loads, store_after_forward=store, preempted_req_ids=preempted
@@ -168,8 +187,10 @@ class OffloadScheduler:
             connector_output.finished_recving.update(recving)
         if load_errors:
             logger.warning("kvoffload: %d GPU blocks failed to load from CPU", len(load_errors))
-        if released and self._walker is not None:
-            self._walker.release(released)
+        if released:
+            holder = self._walker or self._holder
+            if holder is not None:
+                holder.release(released)
 
     def request_finished(self, request: Any) -> bool:
         req_id = request.request_id

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -38,11 +39,12 @@ __all__ = [
     "KVConnectorStats",
     "KVConnectorWorkerMetadata",
     "Region",
+    "SupportsHMA",
     "all_blocks_cleared",
     "block_removed",
     "block_stored",
     "bytes_per_block",
-    "event_spec",
+    "event_specs",
     "gpu_block_meta",
     "kv_in_host_memory",
     "kv_regions",
@@ -109,9 +111,10 @@ def num_kv_groups(kv_cache_config: Any) -> int:
     return len(kv_cache_config.kv_cache_groups)
 
 
-#: KV-cache group kinds whose blocks stay in the request's table for its whole life, so a
-#: block vLLM confirmed is still the request's when a later store reads it.
-OFFLOADABLE_KINDS = frozenset({"full_attention", "mla_attention"})
+#: KV-cache group kinds the planner knows which blocks a request holds of: full attention
+#: (MLA included) keeps them all for the request's life; sliding window frees those before
+#: its window, which the planner neither stores nor loads.
+OFFLOADABLE_KINDS = frozenset({"full_attention", "mla_attention", "sliding_window"})
 
 
 def model_name(vllm_config: Any) -> str:
@@ -122,10 +125,11 @@ def model_name(vllm_config: Any) -> str:
 def unsupported_kv_groups(kv_cache_config: Any) -> list[tuple[int, str]]:
     """``(group index, kind)`` of every KV-cache group kvoffload cannot offload.
 
-    Only full attention (MLA included) is safe: sliding-window, chunked-local, Mamba and
-    R-SWA groups free blocks from a running request's table (vLLM puts its null block in
-    their place), so a store planned from the table vLLM scheduled would read blocks that
-    already belong to someone else.
+    Full attention (MLA included) and sliding window are planned per group (see
+    ``offload_core::GroupKind``). Chunked-local, Mamba and R-SWA groups free or rewrite
+    blocks of a running request by rules the planner does not model, so a store planned
+    from the table vLLM scheduled could read blocks that already belong to someone else,
+    and a hit could skip state the model needs.
     """
     from vllm.v1 import kv_cache_interface as kvi
 
@@ -139,6 +143,28 @@ def unsupported_kv_groups(kv_cache_config: Any) -> list[tuple[int, str]]:
         if kind not in OFFLOADABLE_KINDS:
             out.append((i, kind))
     return out
+
+
+def kv_group_kinds(kv_cache_config: Any) -> list[tuple[str, int | None]]:
+    """Per KV-cache group, the planner's ``(kind, window)``: a sliding-window group keeps
+    ``sliding_window + extra_retained_tokens`` tokens (what vLLM's
+    ``get_num_skipped_tokens`` leaves a request)."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    out: list[tuple[str, int | None]] = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        kind = str(kvi.get_kv_cache_spec_kind(spec).value)
+        window = None
+        if kind == "sliding_window":
+            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        out.append((kind, window))
+    return out
+
+
+def kv_group_block_sizes(kv_cache_config: Any) -> list[int]:
+    """Tokens per block of each KV-cache group."""
+    return [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
 
 
 def block_size(kv_cache_config: Any, vllm_config: Any) -> int:
@@ -163,12 +189,32 @@ def num_gpu_blocks(kv_cache_config: Any) -> int:
 def bytes_per_block(kv_cache_config: Any) -> int:
     """Bytes one block id occupies across every layer of this rank.
 
-    Scheduler and workers both derive the CPU block count from this, so neither plans
-    past what the other allocated.
+    A CPU block holds a GPU block id's bytes in every KV tensor. vLLM's tensors describe
+    where each layer's page of block 0 lies in one backing allocation
+    (``offset + l * layer_stride``); with the hybrid allocator the groups' layers overlay
+    the same bytes (a block id belongs to one group at a time), so the pages' union is
+    counted, not their sum. Without that placement (older vLLM), every layer's page.
     """
+    pages = {
+        name: int(g.kv_cache_spec.page_size_bytes)
+        for g in kv_cache_config.kv_cache_groups
+        for name in g.layer_names
+    }
+    tensors = kv_cache_config.kv_cache_tensors
+    if not tensors or not all(hasattr(t, "layer_stride") for t in tensors):
+        return sum(pages.values())
+    spans = sorted(
+        (int(t.offset) + i * int(t.layer_stride), pages.get(name, int(t.block_stride)))
+        for t in tensors
+        for i, name in enumerate(t.layers)
+    )
     total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        total += int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+    covered = 0
+    for start, size in spans:
+        end = start + size
+        if end > covered:
+            total += end - max(start, covered)
+            covered = end
     return total
 
 
@@ -213,6 +259,28 @@ def allocated_block_ids(blocks: Any) -> list[int]:
     return blocks.get_block_ids()[0]
 
 
+def allocated_block_ids_per_group(blocks: Any) -> tuple[list[int], ...]:
+    """GPU block ids of a ``KVCacheBlocks``, one list per KV-cache group, from token 0
+    (vLLM's null block where a sliding-window group holds none)."""
+    return tuple(blocks.get_block_ids())
+
+
+class GpuBlockHolder:
+    """Keeps GPU blocks from reuse while a copy reads them (vLLM's ``touch``), and gives
+    them back (``free_blocks``) when it retired."""
+
+    def __init__(self, gpu_block_pool: Any) -> None:
+        self._pool = gpu_block_pool
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        blocks = self._pool.blocks
+        self._pool.touch([blocks[i] for i in block_ids])
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        blocks = self._pool.blocks
+        self._pool.free_blocks([blocks[i] for i in block_ids])
+
+
 # ---- GPU block pool (lazy mode) -----------------------------------------------------------
 
 
@@ -233,6 +301,7 @@ class FreeQueueWalker:
 
     def __init__(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
+        self._holder = GpuBlockHolder(gpu_block_pool)
         self._queue = gpu_block_pool.free_block_queue
         self._head = self._queue.fake_free_list_head
         self._tail = self._queue.fake_free_list_tail
@@ -290,12 +359,10 @@ class FreeQueueWalker:
 
     def hold(self, block_ids: Sequence[int]) -> None:
         """Keeps blocks out of reuse while a copy reads them."""
-        blocks = self._pool.blocks
-        self._pool.touch([blocks[i] for i in block_ids])
+        self._holder.hold(block_ids)
 
     def release(self, block_ids: Sequence[int]) -> None:
-        blocks = self._pool.blocks
-        self._pool.free_blocks([blocks[i] for i in block_ids])
+        self._holder.release(block_ids)
 
 
 # ---- KV events ----------------------------------------------------------------------------
@@ -309,15 +376,20 @@ class EventSpec:
     sliding_window: int | None
 
 
-def event_spec(kv_cache_config: Any) -> EventSpec:
-    """The event fields of KV-cache group 0, as vLLM's block pool publishes them."""
+def event_specs(kv_cache_config: Any) -> list[EventSpec]:
+    """The event fields of each KV-cache group, as vLLM's block pool publishes them."""
     from vllm.v1.kv_cache_interface import (
         get_kv_cache_spec_kind,
         get_kv_cache_spec_sliding_window,
     )
 
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    return EventSpec(get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec))
+    return [
+        EventSpec(
+            get_kv_cache_spec_kind(g.kv_cache_spec).value,
+            get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+        )
+        for g in kv_cache_config.kv_cache_groups
+    ]
 
 
 @dataclass(frozen=True)
@@ -370,7 +442,7 @@ def gpu_block_meta(hash_with_group_id: bytes) -> BlockMeta:
     )
 
 
-def block_stored(meta: BlockMeta, block_size: int, spec: EventSpec) -> Any:
+def block_stored(meta: BlockMeta, block_size: int, spec: EventSpec, group_idx: int) -> Any:
     """A CPU ``BlockStored`` for one block, field for field as vLLM's Simple connector."""
     from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
     from vllm.v1.core.kv_cache_utils import to_event_extra_keys
@@ -385,17 +457,19 @@ def block_stored(meta: BlockMeta, block_size: int, spec: EventSpec) -> Any:
         medium=MEDIUM_CPU,
         lora_name=meta.lora_name,
         extra_keys=to_event_extra_keys(keys and [keys]),
-        group_idx=0,
+        group_idx=group_idx,
         kv_cache_spec_kind=spec.kind,
         kv_cache_spec_sliding_window=spec.sliding_window,
         locality="LOCAL",
     )
 
 
-def block_removed(block_hashes: list[Any]) -> Any:
+def block_removed(block_hashes: list[Any], group_idx: int) -> Any:
     from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
 
-    return BlockRemoved(block_hashes=block_hashes, medium=MEDIUM_CPU, group_idx=0, locality="LOCAL")
+    return BlockRemoved(
+        block_hashes=block_hashes, medium=MEDIUM_CPU, group_idx=group_idx, locality="LOCAL"
+    )
 
 
 def all_blocks_cleared() -> Any:

@@ -2,8 +2,8 @@
 //! decision is the core's (`offload_core::Planner`); this file converts.
 
 use offload_core::{
-    BlockHash, BlockKey, KvEvent, LazyCandidate, Planner, PlannerConfig, PlannerStats,
-    ScheduleKind, ScheduledRequest, StepPlan,
+    BlockHash, BlockKey, GroupKind, KvEvent, LazyCandidate, Planner, PlannerConfig, PlannerStats,
+    ScheduleKind, ScheduledGroups, ScheduledRequest, StepPlan,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PyString, PyTuple};
@@ -22,13 +22,15 @@ type LoadTuple<'py> = (
 );
 /// `(id, gpu_blocks, cpu_blocks, req_ids)`; block lists are little-endian u32 bytes.
 type StoreTuple<'py> = (u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Vec<String>);
-/// `(loads, store, held_gpu_blocks, store_sources)`; `store_sources` is empty unless
-/// events are on (see `StoreJob::sources`).
+/// `(loads, store, held_gpu_blocks, store_sources, store_groups)`; `store_sources` is
+/// empty unless events are on (see `StoreJob::sources`), `store_groups` unless the planner
+/// has several KV-cache groups (see `StoreJob::groups`).
 type StepTuple<'py> = (
     Vec<LoadTuple<'py>>,
     Option<StoreTuple<'py>>,
     Vec<u32>,
     Vec<Option<(u32, u32)>>,
+    Vec<u32>,
 );
 /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
 /// retired_stores)`.
@@ -58,9 +60,10 @@ fn hash_bytes<'py>(py: Python<'py>, h: BlockHash) -> Bound<'py, PyBytes> {
 #[pymethods]
 impl PyPlanner {
     #[new]
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
         block_size, num_cpu_blocks, world_size = 1, lazy = false, events = false,
-        sync_loads = false, stores_after_forward = false
+        sync_loads = false, stores_after_forward = false, groups = None
     ))]
     fn new(
         block_size: i64,
@@ -70,6 +73,7 @@ impl PyPlanner {
         events: bool,
         sync_loads: bool,
         stores_after_forward: bool,
+        groups: Option<Vec<(String, Option<i64>)>>,
     ) -> PyResult<Self> {
         let pos = |v: i64, what: &str, min: u32| {
             u32::try_from(v)
@@ -86,8 +90,14 @@ impl PyPlanner {
         .with_events(events)
         .with_sync_loads(sync_loads)
         .with_stores_after_forward(stores_after_forward);
+        let kinds = groups
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .map(|(i, (kind, window))| group_kind(i, &kind, window))
+            .collect::<PyResult<Vec<_>>>()?;
         Ok(Self {
-            inner: Planner::new(cfg),
+            inner: Planner::with_groups(cfg, &kinds),
             reported: PlannerStats::default(),
         })
     }
@@ -113,7 +123,8 @@ impl PyPlanner {
             .map_err(plan_err)
     }
 
-    /// The scheduler allocated `gpu_block_ids` and accepted `num_external_tokens`.
+    /// The scheduler allocated `gpu_block_ids` (a list of group 0's ids, or a tuple of
+    /// one list per KV-cache group) and accepted `num_external_tokens`.
     fn on_alloc(
         &mut self,
         req_id: &str,
@@ -121,9 +132,18 @@ impl PyPlanner {
         num_computed_tokens: i64,
         num_external_tokens: i64,
     ) -> PyResult<()> {
-        let ids = block_ids(gpu_block_ids, "gpu_block_ids")?;
         let nct = count(num_computed_tokens, "num_computed_tokens")?;
         let ext = count(num_external_tokens, "num_external_tokens")?;
+        if gpu_block_ids.is_instance_of::<PyTuple>()
+            || self.inner.groups() != [GroupKind::FullAttention]
+        {
+            let per_group = all_group_ids(gpu_block_ids)?;
+            return self
+                .inner
+                .on_alloc_groups(req_id, &per_group, nct, ext)
+                .map_err(plan_err);
+        }
+        let ids = block_ids(gpu_block_ids, "gpu_block_ids")?;
         self.inner
             .on_alloc(req_id, &ids, nct, ext)
             .map_err(plan_err)
@@ -180,7 +200,17 @@ impl PyPlanner {
         // allocation per request per step.
         let n = new_req_ids.len() + cached_req_ids.len();
         let mut names: Vec<Bound<'py, PyString>> = Vec::with_capacity(n);
-        let mut rows: Vec<(ScheduleKind, usize, usize, Vec<u32>)> = Vec::with_capacity(n);
+        // Group 0's table, or (multi-group planners) every group's; the other is empty.
+        type Tables = (Vec<u32>, Vec<Vec<u32>>);
+        let mut rows: Vec<(ScheduleKind, usize, usize, Tables)> = Vec::with_capacity(n);
+        let multi = self.inner.groups() != [GroupKind::FullAttention];
+        let tables = |v: &Bound<'py, PyAny>| -> PyResult<Tables> {
+            if multi {
+                Ok((Vec::new(), all_group_ids(v)?))
+            } else {
+                Ok((group0_ids(v)?, Vec::new()))
+            }
+        };
         let scheduled_tokens = |name: &Bound<'py, PyString>| -> PyResult<usize> {
             match num_scheduled_tokens {
                 Some(map) => count(map.get_item(name)?.extract()?, "num_scheduled_tokens"),
@@ -193,7 +223,7 @@ impl PyPlanner {
                 new_num_computed.get_item(i)?.extract()?,
                 "num_computed_tokens",
             )?;
-            let ids = group0_ids(&new_block_ids.get_item(i)?)?;
+            let ids = tables(&new_block_ids.get_item(i)?)?;
             rows.push((ScheduleKind::New, nct, scheduled_tokens(&name)?, ids));
             names.push(name);
         }
@@ -204,7 +234,7 @@ impl PyPlanner {
                 cached_num_computed.get_item(i)?.extract()?,
                 "num_computed_tokens",
             )?;
-            let ids = group0_ids(&cached_new_block_ids.get_item(i)?)?;
+            let ids = tables(&cached_new_block_ids.get_item(i)?)?;
             let kind = if any_resumed && resumed_req_ids.contains(&name)? {
                 ScheduleKind::Resumed
             } else {
@@ -214,19 +244,43 @@ impl PyPlanner {
             names.push(name);
         }
         let ids: Vec<&str> = names.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
-        let scheduled = rows.into_iter().zip(ids.iter().zip(&names)).map(
-            |((kind, num_computed_tokens, num_scheduled_tokens, gpu_blocks), (req_id, name))| {
-                ScheduledRequest {
-                    req_id,
-                    kind,
-                    num_computed_tokens,
-                    num_scheduled_tokens,
-                    gpu_blocks,
-                    hashes: MappedHashes::new(hash_lists, name),
-                }
-            },
-        );
-        let plan = self.inner.schedule(scheduled, lazy).map_err(plan_err)?;
+        let rows = rows.into_iter().zip(ids.iter().zip(&names));
+        let plan = if multi {
+            let scheduled = rows.map(
+                |(
+                    (kind, num_computed_tokens, num_scheduled_tokens, (_, gpu_blocks)),
+                    (req_id, name),
+                )| {
+                    ScheduledGroups {
+                        req_id,
+                        kind,
+                        num_computed_tokens,
+                        num_scheduled_tokens,
+                        gpu_blocks,
+                        hashes: MappedHashes::new(hash_lists, name),
+                    }
+                },
+            );
+            self.inner.schedule_groups(scheduled, lazy)
+        } else {
+            let scheduled = rows.map(
+                |(
+                    (kind, num_computed_tokens, num_scheduled_tokens, (gpu_blocks, _)),
+                    (req_id, name),
+                )| {
+                    ScheduledRequest {
+                        req_id,
+                        kind,
+                        num_computed_tokens,
+                        num_scheduled_tokens,
+                        gpu_blocks,
+                        hashes: MappedHashes::new(hash_lists, name),
+                    }
+                },
+            );
+            self.inner.schedule(scheduled, lazy)
+        }
+        .map_err(plan_err)?;
         Ok(step_to_py(py, plan))
     }
 
@@ -316,6 +370,12 @@ impl PyPlanner {
         self.inner.reads_scheduled_requests()
     }
 
+    /// Number of KV-cache groups.
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.inner.groups().len()
+    }
+
     #[getter]
     fn num_requests(&self) -> usize {
         self.inner.num_requests()
@@ -398,6 +458,49 @@ fn group0_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     block_ids(v, "block_ids")
 }
 
+/// Every group's ids of a `tuple[list[int], ...]` (a missing or `None` entry: none).
+fn all_group_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+    if v.is_none() {
+        return Ok(Vec::new());
+    }
+    let t = v.cast::<PyTuple>().map_err(|_| {
+        INVALID_INPUT_ERROR.err(format!(
+            "block ids per KV-cache group must be a tuple of lists, got {}",
+            type_name(v)
+        ))
+    })?;
+    t.iter()
+        .map(|g| {
+            if g.is_none() {
+                Ok(Vec::new())
+            } else {
+                block_ids(&g, "block_ids")
+            }
+        })
+        .collect()
+}
+
+/// KV-cache group `index`'s kind from vLLM's spec kind name and its sliding window (its
+/// `sliding_window` plus `extra_retained_tokens`).
+fn group_kind(index: usize, kind: &str, window: Option<i64>) -> PyResult<GroupKind> {
+    match (kind, window) {
+        ("full_attention" | "mla_attention", _) => Ok(GroupKind::FullAttention),
+        ("sliding_window", Some(w)) => u32::try_from(w)
+            .ok()
+            .filter(|w| *w > 0)
+            .map(|window| GroupKind::SlidingWindow { window })
+            .ok_or_else(|| {
+                INVALID_INPUT_ERROR.err(format!(
+                    "Planner: group {index}: invalid sliding window {w}"
+                ))
+            }),
+        _ => Err(INVALID_INPUT_ERROR.err(format!(
+            "Planner: group {index}: KV-cache group kind {kind:?} (window {window:?}) cannot \
+             be planned; kinds: full_attention, mla_attention, sliding_window with a window"
+        ))),
+    }
+}
+
 fn same_len(what: &str, lens: &[usize]) -> PyResult<()> {
     if lens.windows(2).all(|w| w[0] == w[1]) {
         return Ok(());
@@ -433,7 +536,16 @@ fn lazy_candidates(
         let hash = BlockHash::from_bytes(&b[..b.len().saturating_sub(strip)]).ok_or_else(|| {
             INVALID_INPUT_ERROR.err(format!("lazy_block_hashes[{i}]: empty block hash"))
         })?;
-        out.push((block_id(&id, "lazy_gpu_block_ids")?, BlockKey::new(0, hash)));
+        // vLLM appends the group id, 4 bytes big-endian.
+        let group = b
+            .len()
+            .checked_sub(strip)
+            .and_then(|at| <[u8; 4]>::try_from(&b[at..]).ok())
+            .map_or(0, u32::from_be_bytes);
+        out.push((
+            block_id(&id, "lazy_gpu_block_ids")?,
+            BlockKey::new(group, hash),
+        ));
     }
     Ok(out)
 }
@@ -454,8 +566,10 @@ fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
         })
         .collect();
     let mut sources = Vec::new();
+    let mut groups = Vec::new();
     let store = plan.store.map(|s| {
         sources = s.sources;
+        groups = s.groups;
         (
             s.id,
             ids_to_bytes(py, &s.gpu_blocks),
@@ -463,5 +577,5 @@ fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
             s.req_ids,
         )
     });
-    (loads, store, plan.held_gpu_blocks, sources)
+    (loads, store, plan.held_gpu_blocks, sources, groups)
 }

@@ -155,12 +155,14 @@ impl Planner {
         num_computed_tokens: usize,
         num_external_tokens: usize,
     ) -> Result<(), PlanError> {
-        if let Some(kinds) = &self.groups {
-            return Err(PlanError::GroupMismatch {
-                req_id: req.to_string(),
-                expected: kinds.len(),
-                got: 1,
-            });
+        if self.groups.is_some() {
+            // One block table: right for a planner with one (sliding-window) group only.
+            return self.on_alloc_groups(
+                req,
+                &[gpu_blocks],
+                num_computed_tokens,
+                num_external_tokens,
+            );
         }
         let bs = self.block_size();
         self.forget_remote(req);
