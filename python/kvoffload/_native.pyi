@@ -147,6 +147,11 @@ class Planner:
     @property
     def num_free_blocks(self) -> int: ...
     def stats(self) -> list[tuple[str, int]]: ...
+    def offer_lazy(
+        self, gpu_block_ids: list[int], block_hashes: list[bytes], strip: int
+    ) -> list[int]:
+        """Lazy mode: selects blocks for the next step's store now; returns the ids to
+        hold from now on."""
     @property
     def reads_scheduled_requests(self) -> bool:
         """Whether ``schedule`` reads the request lists (a lazy single-group planner

@@ -73,6 +73,8 @@ class OffloadScheduler:
         self._walker: FreeQueueWalker | None = None
         # Holds GPU blocks a multi-group store reads that vLLM frees from running requests.
         self._holder: GpuBlockHolder | None = None
+        #: With events on: GPU block id -> hash of blocks offered since the last plan.
+        self._offered: dict[int, bytes] = {}
         self._stats = CounterDeltas()
 
     @property
@@ -152,6 +154,9 @@ class OffloadScheduler:
             if store is not None:
                 requests = self._requests if not self._finished else self._finished_first()
                 lazy = dict(zip(lazy_ids, lazy_hashes, strict=True)) if lazy_ids else {}
+                if self._offered:
+                    lazy.update(self._offered)
+                    self._offered.clear()
                 self._events.store_issued(store, sources, requests, lazy, groups)
             self._finished.clear()
         if held:
@@ -165,6 +170,28 @@ class OffloadScheduler:
         return KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=preempted)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        # Before the reports: blocks a retired store releases were just stored.
+        self._offer_freed()
+        self._apply_reports(connector_output)
+
+    def _offer_freed(self) -> None:
+        # vLLM calls this after freeing the step's finished requests. Their blocks join
+        # the free queue at its tail; when the whole queue is within the watermark, the
+        # next step's allocations may evict them before its plan's walk sees them.
+        # Offered now, the chosen ones are held until their store retires.
+        walker = self._walker
+        if walker is None or walker.num_free() > self._lazy_limit:
+            return
+        ids, hashes = walker.candidates(self._lazy_limit)
+        if not ids:
+            return
+        held = self._planner.offer_lazy(ids, hashes, GROUP_ID_BYTES)
+        if held:
+            walker.hold(held)
+            if self._events is not None:
+                self._offered.update(zip(ids, hashes, strict=True))
+
+    def _apply_reports(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVOffloadWorkerMetadata) or not meta.transfer_ids:
             return

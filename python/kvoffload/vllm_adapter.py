@@ -357,6 +357,10 @@ class FreeQueueWalker:
         self._cursor = cursor
         return ids, hashes
 
+    def num_free(self) -> int:
+        """Blocks in the free queue."""
+        return self._queue.num_free_blocks
+
     def hold(self, block_ids: Sequence[int]) -> None:
         """Keeps blocks out of reuse while a copy reads them."""
         self._holder.hold(block_ids)

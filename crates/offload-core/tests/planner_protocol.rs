@@ -479,6 +479,28 @@ fn lazy_mode_stores_only_candidates_and_releases_them() {
 }
 
 #[test]
+fn lazy_blocks_offered_between_steps_join_the_next_store() {
+    let k = |h| key(BlockHash(h));
+    let none = Vec::<common::planner::Sched<'_>>::new;
+    let mut eager = planner(4, 1, false);
+    assert!(eager.offer_lazy([(7, k(1))]).is_empty());
+    assert!(!eager.has_pending_plan());
+
+    let mut p = planner(4, 1, true);
+    // Freed after the plan was built: offered now, held by the caller from now on.
+    assert_eq!(p.offer_lazy([(7, k(1)), (8, k(2))]), vec![7, 8]);
+    assert!(p.has_pending_plan());
+    let plan = p.schedule(none(), [(9, k(3)), (7, k(1))]).unwrap();
+    // Only this step's own candidate is handed to the caller to hold.
+    assert_eq!(plan.held_gpu_blocks, vec![9]);
+    let store = plan.store.unwrap();
+    assert_eq!(store.gpu_blocks, vec![7, 8, 9]);
+    p.complete(store.id, true).unwrap();
+    // Every held block is released once the store retires.
+    assert_eq!(p.take_completions().released_gpu_blocks, vec![7, 8, 9]);
+}
+
+#[test]
 fn stored_events_chain_parents_and_removals_follow_evictions() {
     let mut p = planner(2, 1, false);
     let h = hashes(1, 2);

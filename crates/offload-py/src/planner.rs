@@ -363,6 +363,18 @@ impl PyPlanner {
         self.inner.has_pending_plan()
     }
 
+    /// Lazy mode: selects GPU blocks (ids and hashes as in `schedule`) for the next
+    /// step's store now; returns the ids the caller must hold from now on.
+    fn offer_lazy(
+        &mut self,
+        gpu_block_ids: &Bound<'_, PyList>,
+        block_hashes: &Bound<'_, PyList>,
+        strip: usize,
+    ) -> PyResult<Vec<u32>> {
+        let lazy = lazy_candidates(Some(gpu_block_ids), Some(block_hashes), strip)?;
+        Ok(self.inner.offer_lazy(lazy))
+    }
+
     /// Whether `schedule` reads the request lists (see
     /// `offload_core::Planner::reads_scheduled_requests`).
     #[getter]

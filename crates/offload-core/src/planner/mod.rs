@@ -372,6 +372,27 @@ impl Planner {
         !self.ledger.is_empty() || !self.pending_loads.is_empty() || !self.pending_store.is_empty()
     }
 
+    /// Lazy mode: selects GPU blocks about to be evicted for the store that the next
+    /// [`Self::schedule`] hands out, as `schedule`'s own `lazy_candidates` are. Returns
+    /// the selected GPU block ids, which the caller must keep from now on (they are in
+    /// that store's `held` blocks, released when it retires, but not in the next plan's
+    /// `held_gpu_blocks`).
+    ///
+    /// vLLM frees finished requests' blocks after the step's plan is built, and the next
+    /// step may evict them before that plan's walk sees them; offering them when they
+    /// are freed keeps them. Nothing is selected by an eager or multi-group planner.
+    pub fn offer_lazy(&mut self, candidates: impl IntoIterator<Item = LazyCandidate>) -> Vec<u32> {
+        if !self.cfg.lazy || self.groups.is_some() {
+            return Vec::new();
+        }
+        select_lazy(
+            candidates,
+            &mut self.cache,
+            &mut self.pending_store,
+            &mut self.stats,
+        )
+    }
+
     /// Whether [`Self::schedule`] reads the step's scheduled requests. A lazy planner
     /// with one KV-cache group stores only the lazy candidates and learns each request's
     /// GPU blocks from [`Self::on_alloc`], so its caller may pass no requests and skip
