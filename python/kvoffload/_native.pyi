@@ -13,12 +13,15 @@ __all__ = [
     "OffloadConfig",
     "Planner",
     "QueueFullError",
+    "RemoteTierError",
     "TransferEngine",
     "TransferError",
     "UnknownRequestError",
     "UnknownTransferError",
+    "WorkerTier",
     "__version__",
     "parse_config",
+    "remote_sharing_problem",
 ]
 
 __version__: str
@@ -35,6 +38,7 @@ class QueueFullError(KVOffloadError, RuntimeError): ...
 class EngineShutdownError(KVOffloadError, RuntimeError): ...
 class DeviceError(KVOffloadError, RuntimeError): ...
 class HostMemoryError(KVOffloadError, MemoryError): ...
+class RemoteTierError(KVOffloadError, RuntimeError): ...
 
 # ---- config ---------------------------------------------------------------------------
 
@@ -51,6 +55,10 @@ class OffloadConfig:
     @property
     def kv_cache_layout(self) -> str:
         """``"auto"``, ``"engine"`` or a vLLM layout name (upper case)."""
+    @property
+    def remote(self) -> dict[str, Any] | None:
+        """The remote tier's settings (``url`` with passwords masked, ``namespace``,
+        ``timeout_ms``, ``write``, ``max_inflight_bytes``), or ``None``."""
     def num_cpu_blocks(self, bytes_per_block: int) -> int: ...
     def sync_loads(self, kv_in_host_memory: bool) -> bool: ...
 
@@ -92,7 +100,18 @@ class Planner:
         block_hashes: Sequence[bytes],
         num_tokens: int,
         num_computed_tokens: int,
-    ) -> int: ...
+    ) -> int | None:
+        """``None`` while a remote tier is being asked: ask again next step."""
+    def attach_remote(self, config: OffloadConfig, layout: Mapping[str, Any]) -> None:
+        """Connects the remote tier of ``config`` with the keys of ``layout``; raises
+        ``RemoteTierError`` when the store cannot be used."""
+    def take_fetches(self) -> list[tuple[int, str, bytes, bytes]]:
+        """``(transfer_id, req_id, hashes, cpu_blocks)``: 16-byte hashes, u32 ids."""
+    def complete_fetches(self, reports: list[tuple[int, int]]) -> None: ...
+    def block_hashes(self, cpu_blocks: bytes) -> tuple[bytes, bytes]:
+        """``(hashes, cpu_blocks)`` of the blocks that hold a hash."""
+    @property
+    def has_remote(self) -> bool: ...
     def on_alloc(
         self,
         req_id: str,
@@ -218,3 +237,19 @@ class TransferEngine:
     @property
     def stopped(self) -> str | None: ...
     def stats(self) -> list[tuple[str, int]]: ...
+
+@final
+class WorkerTier:
+    def __new__(
+        cls, engine: TransferEngine, config: OffloadConfig, layout: Mapping[str, Any]
+    ) -> WorkerTier: ...
+    @property
+    def writes(self) -> bool: ...
+    def fetch(self, transfer_id: int, hashes: bytes, cpu_blocks: bytes) -> None: ...
+    def take_reports(self) -> list[tuple[int, int]]: ...
+    def write_stored(self, hashes: bytes, cpu_blocks: bytes) -> int: ...
+    def stats(self) -> list[tuple[str, int]]: ...
+    def shutdown(self, drain_s: float = 1.0) -> None: ...
+
+def remote_sharing_problem(hash_algo: str, pythonhashseed_set: bool) -> str | None:
+    """Why engines with this hash setup cannot share blocks (with the fix), or ``None``."""

@@ -32,7 +32,10 @@ from kvoffload.vllm_adapter import (
     num_gpu_blocks,
     num_kv_groups,
     prefix_caching_enabled,
+    remote_layout,
+    remote_unsupported,
     requested_kv_cache_layout,
+    tensor_parallel_rank,
     unsupported_kv_groups,
     world_size,
 )
@@ -100,10 +103,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             )
             logger.error(msg)
             raise ConfigError(msg)
+        layout = self._remote_layout(config, vllm_config, kv_cache_config, role)
         if role != KVConnectorRole.SCHEDULER:
             from kvoffload.worker import OffloadWorker
 
-            self._worker = OffloadWorker(config, num_gpu_blocks=num_gpu_blocks(kv_cache_config))
+            self._worker = OffloadWorker(
+                config, num_gpu_blocks=num_gpu_blocks(kv_cache_config), remote_layout=layout
+            )
             if config.faults:
                 logger.warning("KVOffloadConnector: injecting copy faults: %s", config.faults)
             return
@@ -133,6 +139,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             # default there), stores included (see wait_for_save).
             stores_after_forward=sync and host,
             groups=kv_group_kinds(kv_cache_config),
+            remote_layout=layout,
         )
         logger.info(
             "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
@@ -141,6 +148,22 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             num_cpu_blocks * per_block / 2**30,
             "lazy" if config.lazy_offload else "eager",
         )
+
+    @staticmethod
+    def _remote_layout(
+        config: Any, vllm_config: Any, kv_cache_config: Any, role: Any
+    ) -> dict[str, Any] | None:
+        """This rank's remote-tier keys, or ``None`` without a remote tier (or when this
+        engine cannot share blocks: said once, with the fix)."""
+        if config.remote is None:
+            return None
+        why = remote_unsupported(vllm_config, kv_group_kinds(kv_cache_config))
+        if why is not None:
+            logger.warning("KVOffloadConnector: remote tier disabled: %s", why)
+            return None
+        # The scheduler probes with the keys of tensor rank 0, which writes them too.
+        rank = 0 if role == KVConnectorRole.SCHEDULER else tensor_parallel_rank()
+        return remote_layout(vllm_config, block_size(kv_cache_config, vllm_config), rank)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

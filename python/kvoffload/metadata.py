@@ -16,6 +16,9 @@ from kvoffload.vllm_adapter import (
 LoadSpec = tuple[int, str, bytes, bytes, bool, bool]
 #: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
 StoreSpec = tuple[int, bytes, bytes, list[str]]
+#: ``(transfer_id, req_id, hashes, cpu_blocks)``: fetch 16-byte-hash blocks from the
+#: remote tier into CPU blocks the scheduler reserved for them.
+FetchSpec = tuple[int, str, bytes, bytes]
 
 
 @dataclass
@@ -30,6 +33,10 @@ class KVOffloadMetadata(KVConnectorMetadata):
     #: Requests preempted this step: their GPU blocks may be reused by this step's
     #: forward, so in-flight stores reading them must finish first.
     preempted_req_ids: list[str] = field(default_factory=list)
+    #: Remote tier: fetches into CPU blocks, and ``(hashes, cpu_blocks)`` of the step's
+    #: store, which workers write behind once it completed.
+    fetches: list[FetchSpec] = field(default_factory=list)
+    store_hashes: tuple[bytes, bytes] | None = None
 
 
 @dataclass
@@ -38,6 +45,8 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
     transfer_ids: list[int] = field(default_factory=list)
     ok: list[bool] = field(default_factory=list)
+    #: Remote fetches finished: ``(transfer_id, leading blocks filled)``.
+    fetched: list[tuple[int, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
         if not isinstance(other, KVOffloadWorkerMetadata):
@@ -45,6 +54,7 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return KVOffloadWorkerMetadata(
             transfer_ids=self.transfer_ids + other.transfer_ids,
             ok=self.ok + other.ok,
+            fetched=self.fetched + other.fetched,
         )
 
 

@@ -42,6 +42,7 @@ class OffloadScheduler:
         sync_loads: bool,
         stores_after_forward: bool = False,
         groups: list[tuple[str, int | None]] | None = None,
+        remote_layout: dict[str, Any] | None = None,
     ) -> None:
         self._planner_args: dict[str, Any] = {
             "world_size": config.world_size,
@@ -52,7 +53,12 @@ class OffloadScheduler:
             "groups": groups,
         }
         self._block_size = block_size
-        self._planner = Planner(block_size, num_cpu_blocks, **self._planner_args)
+        # The remote tier's settings and keys; workers write stored blocks behind when
+        # `remote_write` is on, so each store's hashes go with it.
+        self._config = config
+        self._remote_layout = remote_layout if config.remote is not None else None
+        self._remote_writes = self._remote_layout is not None and bool(config.remote["write"])
+        self._planner = self._new_planner(num_cpu_blocks)
         # Several groups: vLLM's block ids of every group go to the planner.
         self._multi_group = self._planner.num_groups > 1 or (
             groups is not None and groups[0][0] == "sliding_window"
@@ -97,7 +103,20 @@ class OffloadScheduler:
                 f"kvoffload: cannot resize the CPU pool to {num_cpu_blocks} blocks once "
                 "requests were planned"
             )
-        self._planner = Planner(self._block_size, num_cpu_blocks, **self._planner_args)
+        self._planner = self._new_planner(num_cpu_blocks)
+
+    def _new_planner(self, num_cpu_blocks: int) -> Planner:
+        planner = Planner(self._block_size, num_cpu_blocks, **self._planner_args)
+        if self._remote_layout is None or num_cpu_blocks == 0:
+            return planner
+        try:
+            planner.attach_remote(self._config, self._remote_layout)
+        except KVOffloadError as e:
+            # A cache, not a source of truth: the engine serves without it.
+            logger.error("kvoffload: remote tier unavailable, running without it: %s", e)
+        else:
+            logger.info("kvoffload: remote tier %s attached", self._config.remote)
+        return planner
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         # Only lazy mode walks the free queue (the walker follows the queue's removals).
@@ -108,7 +127,7 @@ class OffloadScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         req_id = request.request_id
         hashes = request.block_hashes
         self._hash_lists[req_id] = hashes
@@ -119,6 +138,9 @@ class OffloadScheduler:
             # computed); a lookup would only pin blocks until the allocation drops them.
             return 0, False
         hit = self._planner.lookup(req_id, hashes, request.num_tokens, num_computed_tokens)
+        if hit is None:
+            # The remote tier is being asked; vLLM keeps the request waiting this step.
+            return None, False
         return hit, hit > 0 and self._async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -163,11 +185,16 @@ class OffloadScheduler:
             holder = self._walker or self._holder
             if holder is not None:
                 holder.hold(held)
+        meta = KVOffloadMetadata(loads=loads, preempted_req_ids=preempted)
         if after_forward:
-            return KVOffloadMetadata(
-                loads=loads, store_after_forward=store, preempted_req_ids=preempted
-            )
-        return KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=preempted)
+            meta.store_after_forward = store
+        else:
+            meta.store = store
+        if self._planner.has_remote:
+            meta.fetches = self._planner.take_fetches()
+        if self._remote_writes and store is not None:
+            meta.store_hashes = self._planner.block_hashes(store[2])
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         # Before the reports: blocks a retired store releases were just stored.
@@ -193,7 +220,14 @@ class OffloadScheduler:
 
     def _apply_reports(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if not isinstance(meta, KVOffloadWorkerMetadata) or not meta.transfer_ids:
+        if not isinstance(meta, KVOffloadWorkerMetadata):
+            return
+        if meta.fetched:
+            try:
+                self._planner.complete_fetches(meta.fetched)
+            except KVOffloadError as e:
+                logger.error("kvoffload: ignoring a bad fetch report: %s", e)
+        if not meta.transfer_ids:
             return
         try:
             sending, recving, load_errors, released, retired = self._planner.complete(

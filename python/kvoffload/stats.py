@@ -71,12 +71,55 @@ COUNTER_SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "CPU blocks evicted to make room for new ones.",
     ),
+    "remote_hit_tokens": (
+        "vllm:kv_offload_remote_hit_tokens",
+        (),
+        "Prompt tokens offered from blocks fetched from the remote tier.",
+    ),
+    "remote_fetched_blocks": (
+        "vllm:kv_offload_remote_fetched_blocks",
+        (),
+        "Blocks fetched from the remote tier by every rank and published to the CPU tier.",
+    ),
+    "remote_failed_fetch_blocks": (
+        "vllm:kv_offload_remote_failed_blocks",
+        ("fetch",),
+        "Remote-tier blocks that failed (missing, corrupt, timed out): fetches recomputed, "
+        "writes lost.",
+    ),
+    "remote_writes_failed": (
+        "vllm:kv_offload_remote_failed_blocks",
+        ("write",),
+        "Remote-tier blocks that failed (missing, corrupt, timed out): fetches recomputed, "
+        "writes lost.",
+    ),
+    "remote_writes_dropped": (
+        "vllm:kv_offload_remote_dropped_writes",
+        (),
+        "Blocks not written to the remote tier because the write-behind queue was full.",
+    ),
+    "remote_corrupt_values": (
+        "vllm:kv_offload_remote_corrupt_values",
+        (),
+        "Remote values that failed a check (header, layout, checksum): never loaded.",
+    ),
+    "remote_bytes_read": (
+        "vllm:kv_offload_remote_read_bytes",
+        (),
+        "Bytes fetched from the remote tier and verified, summed over ranks.",
+    ),
+    "remote_bytes_written": (
+        "vllm:kv_offload_remote_written_bytes",
+        (),
+        "Bytes written to the remote tier, summed over ranks.",
+    ),
 }
 
 #: Series whose single extra label is named here.
 LABEL_OF = {
     "vllm:kv_offload_failed_transfers": "direction",
     "vllm:kv_offload_skipped_store_blocks": "reason",
+    "vllm:kv_offload_remote_failed_blocks": "direction",
 }
 
 GAUGE_SERIES = {

@@ -87,6 +87,65 @@ def world_size(vllm_config: Any) -> int:
     return int(vllm_config.parallel_config.world_size)
 
 
+def remote_layout(vllm_config: Any, block_size: int, tp_rank: int) -> dict[str, Any]:
+    """What decides the meaning of a block's bytes on this rank: the remote tier's keys
+    (``offload_core::tier::KvLayout``). Scheduler and workers build it the same way."""
+    import os
+
+    from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    dtype = str(cache.cache_dtype)
+    if dtype == "auto":
+        dtype = str(model.dtype).removeprefix("torch.")
+    # vLLM derives NONE_HASH from PYTHONHASHSEED when set, else (cryptographic hashes) from
+    # a fixed default; a random per-process seed is refused by `remote_unsupported`.
+    seed = os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
+    return {
+        "model_id": str(model.model),
+        "dtype": dtype,
+        "block_size": int(block_size),
+        "num_layers": int(model.get_num_layers(parallel)),
+        "num_kv_heads": int(model.get_num_kv_heads(parallel)),
+        "head_size": int(model.get_head_size()),
+        "tp_rank": int(tp_rank),
+        "tp_size": int(parallel.tensor_parallel_size),
+        "kv_cache_group": 0,
+        "hash_algo": str(cache.prefix_caching_hash_algo),
+        "none_hash_seed": seed,
+    }
+
+
+def remote_unsupported(vllm_config: Any, kinds: list[tuple[str, int | None]]) -> str | None:
+    """Why this engine cannot use a remote tier (with what to change), or ``None``.
+    ``kinds``: the KV-cache groups' ``(kind, window)`` (see ``kv_group_kinds``)."""
+    import os
+
+    from kvoffload._native import remote_sharing_problem
+
+    parallel = vllm_config.parallel_config
+    if len(kinds) != 1 or kinds[0][0] == "sliding_window":
+        shown = ", ".join(kind for kind, _ in kinds)
+        return (
+            f"the model's KV-cache groups are [{shown}]; the remote tier takes one "
+            "full-attention group"
+        )
+    if int(getattr(parallel, "pipeline_parallel_size", 1)) != 1:
+        return "pipeline parallelism is not supported by the remote tier"
+    if int(getattr(parallel, "decode_context_parallel_size", 1)) != 1:
+        return "decode context parallelism is not supported by the remote tier"
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    return remote_sharing_problem(algo, "PYTHONHASHSEED" in os.environ)
+
+
+def tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def prefix_caching_enabled(vllm_config: Any) -> bool:
     return bool(vllm_config.cache_config.enable_prefix_caching)
 

@@ -7,7 +7,7 @@ import time
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from kvoffload._native import KVOffloadError, OffloadConfig, TransferEngine
+from kvoffload._native import KVOffloadError, OffloadConfig, TransferEngine, WorkerTier
 from kvoffload.cuda_events import CUDA, engine_backend, record_compute_event
 from kvoffload.metadata import KVOffloadHandshake, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import CounterDeltas, KVOffloadStats
@@ -27,6 +27,8 @@ SYNC_LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 5.0
 #: Copy times kept between two stats reports, per direction (vLLM asks every step).
 MAX_TIMES_PER_REPORT = 4096
+#: How long queued remote writes may take to go out at shutdown.
+REMOTE_DRAIN_S = 1.0
 #: How long a step waits for its after-forward store (KV in host memory) before leaving it
 #: to finish in the background.
 STORE_AFTER_FORWARD_TIMEOUT_S = 30.0
@@ -49,8 +51,21 @@ def block_list(raw: bytes) -> list[int]:
 class OffloadWorker:
     """Submits each step's copies at once and reports completions without blocking."""
 
-    def __init__(self, config: OffloadConfig, *, num_gpu_blocks: int) -> None:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        *,
+        num_gpu_blocks: int,
+        remote_layout: dict[str, Any] | None = None,
+    ) -> None:
         self._config = config
+        # Remote tier: started over the engine's host memory once it exists; fetch reports
+        # wait here for the next worker metadata, and each store's (hashes, cpu blocks)
+        # until its completion, when the blocks are written behind.
+        self._remote_layout = remote_layout if config.remote is not None else None
+        self._tier: WorkerTier | None = None
+        self._fetched: list[tuple[int, int]] = []
+        self._write_back: dict[int, tuple[bytes, bytes]] = {}
         self._faults = config.faults
         # Sized from this rank's own KV tensors in `register_kv_caches`: pipeline stages
         # with uneven layer splits, or a draft model's KV on the last one, make bytes per
@@ -128,6 +143,12 @@ class OffloadWorker:
             self._engine.host_bytes / 2**30,
             self._engine.backend_detail,
         )
+        if self._remote_layout is not None:
+            try:
+                self._tier = WorkerTier(self._engine, self._config, self._remote_layout)
+            except KVOffloadError as e:
+                # Fetches planned for this rank then report nothing filled: recomputed.
+                logger.error("kvoffload: remote tier unavailable on this rank: %s", e)
 
     def handle_preemptions(self, metadata: KVOffloadMetadata) -> None:
         """Waits for in-flight stores reading preempted requests' blocks, which this step's
@@ -140,8 +161,25 @@ class OffloadWorker:
             return
         self._wait(fence, PREEMPTION_FENCE_TIMEOUT_S, "stores of preempted requests")
 
+    def _submit_fetches(self, metadata: KVOffloadMetadata) -> None:
+        for tid, _req_id, hashes, cpu in metadata.fetches:
+            if self._tier is None:
+                self._fetched.append((tid, 0))
+                continue
+            try:
+                self._tier.fetch(tid, hashes, cpu)
+            except KVOffloadError as e:
+                logger.warning("kvoffload: remote fetch %d not started: %s", tid, e)
+                self._fetched.append((tid, 0))
+
+    def _note_store(self, tid: int, metadata: KVOffloadMetadata) -> None:
+        """Keeps what the store's completion must write behind."""
+        if self._tier is not None and self._tier.writes and metadata.store_hashes is not None:
+            self._write_back[tid] = metadata.store_hashes
+
     def submit(self, metadata: KVOffloadMetadata) -> None:
         self._sync_loads = []
+        self._submit_fetches(metadata)
         if self._engine is None:
             for tid, _req_id, gpu, _cpu, _valid, _sync in metadata.loads:
                 self._fail_load(tid, gpu, "no KV caches registered")
@@ -175,6 +213,7 @@ class OffloadWorker:
         if metadata.store is not None:
             tid, gpu, cpu, req_ids = metadata.store
             self._stores[tid] = frozenset(req_ids)
+            self._note_store(tid, metadata)
             self._started[tid] = time.perf_counter()
             try:
                 self._engine.submit(tid, True, gpu, cpu, wait_event)
@@ -226,6 +265,7 @@ class OffloadWorker:
             self._record(tid, False, "no KV caches registered")
             return
         self._stores[tid] = frozenset(req_ids)
+        self._note_store(tid, metadata)
         self._started[tid] = time.perf_counter()
         try:
             self._engine.submit(tid, True, gpu, cpu, None)
@@ -236,6 +276,8 @@ class OffloadWorker:
         self._wait([tid], STORE_AFTER_FORWARD_TIMEOUT_S, "the step's store")
 
     def poll(self) -> None:
+        if self._tier is not None:
+            self._fetched.extend(self._tier.take_reports())
         if self._engine is None:
             return
         for tid, ok, err in self._engine.poll():
@@ -246,19 +288,27 @@ class OffloadWorker:
         return errors
 
     def take_worker_meta(self) -> KVOffloadWorkerMetadata | None:
-        if not self._done_ids:
+        if not self._done_ids and not self._fetched:
             return None
-        meta = KVOffloadWorkerMetadata(transfer_ids=self._done_ids, ok=self._done_ok)
-        self._done_ids, self._done_ok = [], []
+        meta = KVOffloadWorkerMetadata(
+            transfer_ids=self._done_ids, ok=self._done_ok, fetched=self._fetched
+        )
+        self._done_ids, self._done_ok, self._fetched = [], [], []
         return meta
 
     def stats(self) -> KVOffloadStats | None:
         if self._engine is None or not self._stats.due():
             return None
         times, self._times = self._times, {"store": [], "load": []}
-        return self._stats.delta(self._engine.stats(), times=times)
+        counters = self._engine.stats()
+        if self._tier is not None:
+            counters = counters + self._tier.stats()
+        return self._stats.delta(counters, times=times)
 
     def shutdown(self) -> None:
+        if self._tier is not None:
+            self._tier.shutdown(REMOTE_DRAIN_S)
+            self._tier = None
         if self._engine is None:
             return
         try:
@@ -286,6 +336,10 @@ class OffloadWorker:
         """One completion reported by the engine: the copy has ended, so its event may go."""
         gpu = self._loads.pop(tid, None)
         store = self._stores.pop(tid, None) is not None
+        write_back = self._write_back.pop(tid, None)
+        if ok and write_back is not None and self._tier is not None:
+            # Before the completion is reported: until then no copy reuses these blocks.
+            self._tier.write_stored(*write_back)
         self._events.pop(tid, None)
         started = self._started.pop(tid, None)
         if ok and started is not None:

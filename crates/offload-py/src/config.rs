@@ -2,9 +2,10 @@
 
 use std::collections::BTreeMap;
 
+use offload_core::tier::redact_url;
 use offload_core::{KvCacheLayout, OffloadConfig};
 use pyo3::prelude::*;
-use pyo3::types::PyMapping;
+use pyo3::types::{PyDict, PyMapping};
 
 use crate::convert::{config_value, type_name};
 use crate::errors::{config_err, CONFIG_ERROR};
@@ -47,6 +48,23 @@ impl PyOffloadConfig {
             KvCacheLayout::Named(name) => name.clone(),
             _ => "auto".to_owned(),
         }
+    }
+
+    /// The remote tier's settings (URLs with passwords masked), or `None` without
+    /// `remote_url`.
+    #[getter]
+    fn remote<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(r) = &self.inner.remote else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        let shown: Vec<String> = r.seeds.iter().map(|s| redact_url(s)).collect();
+        d.set_item("url", shown.join(","))?;
+        d.set_item("namespace", &r.namespace)?;
+        d.set_item("timeout_ms", r.timeout_ms)?;
+        d.set_item("write", r.write)?;
+        d.set_item("max_inflight_bytes", r.max_inflight_bytes)?;
+        Ok(Some(d))
     }
 
     /// Whether loads are synchronous, given where vLLM keeps the KV cache.

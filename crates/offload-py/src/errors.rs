@@ -90,8 +90,14 @@ pub(crate) static HOST_MEMORY_ERROR: ErrorClass = ErrorClass::new(
     &["MemoryError"],
 );
 
+pub(crate) static REMOTE_TIER_ERROR: ErrorClass = ErrorClass::new(
+    "RemoteTierError",
+    "The remote tier's store could not be reached or used (kvoffload runs without it).",
+    &["RuntimeError"],
+);
+
 /// Every class but the base, in the order they are created.
-static SUBCLASSES: [&ErrorClass; 9] = [
+static SUBCLASSES: [&ErrorClass; 10] = [
     &CONFIG_ERROR,
     &INVALID_INPUT_ERROR,
     &UNKNOWN_REQUEST_ERROR,
@@ -101,6 +107,7 @@ static SUBCLASSES: [&ErrorClass; 9] = [
     &ENGINE_SHUTDOWN_ERROR,
     &DEVICE_ERROR,
     &HOST_MEMORY_ERROR,
+    &REMOTE_TIER_ERROR,
 ];
 
 fn create(

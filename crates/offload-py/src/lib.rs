@@ -6,6 +6,7 @@ mod config;
 mod convert;
 mod errors;
 mod planner;
+mod tier;
 mod transfer;
 
 use pyo3::prelude::*;
@@ -16,6 +17,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<config::PyOffloadConfig>()?;
     m.add_class::<planner::PyPlanner>()?;
     m.add_class::<transfer::PyTransferEngine>()?;
+    m.add_class::<tier::PyWorkerTier>()?;
+    m.add_function(wrap_pyfunction!(tier::remote_sharing_problem, m)?)?;
     m.add_function(wrap_pyfunction!(config::parse_config, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

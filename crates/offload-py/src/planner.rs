@@ -1,15 +1,21 @@
 //! The `Planner` class: the scheduler side, one call per vLLM connector call. Every
 //! decision is the core's (`offload_core::Planner`); this file converts.
 
+use std::sync::Arc;
+
+use offload_core::tier::{ProbeQueue, TierStats};
 use offload_core::{
-    BlockHash, BlockKey, GroupKind, KvEvent, LazyCandidate, Planner, PlannerConfig, PlannerStats,
-    ScheduleKind, ScheduledGroups, ScheduledRequest, StepPlan,
+    BlockHash, BlockKey, GroupKind, KvEvent, LazyCandidate, LookupOutcome, Planner, PlannerConfig,
+    PlannerStats, ScheduleKind, ScheduledGroups, ScheduledRequest, StepPlan,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PyString, PyTuple};
 
+use crate::config::PyOffloadConfig;
 use crate::convert::{block_id, block_ids, count, type_name, MappedHashes, PyHashes};
-use crate::errors::{plan_err, INVALID_INPUT_ERROR};
+use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
+use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of, tier_counters};
+use crate::transfer::ids_from_bytes;
 
 /// `(id, req_id, gpu_blocks, cpu_blocks, valid, sync)`; block lists are little-endian u32 bytes.
 type LoadTuple<'py> = (
@@ -32,6 +38,8 @@ type StepTuple<'py> = (
     Vec<Option<(u32, u32)>>,
     Vec<u32>,
 );
+/// `(id, req_id, hashes, cpu_blocks)`: 16-byte hashes, little-endian u32 block ids.
+type FetchTuple<'py> = (u64, String, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
 /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
 /// retired_stores)`.
 type CompleteTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u64>);
@@ -43,6 +51,9 @@ pub(crate) struct PyPlanner {
     inner: Planner,
     /// The counters as of the last `take_stats_delta`.
     reported: PlannerStats,
+    /// The remote tier's counters at the previous `take_stats_delta`, in
+    /// `remote_counters` order.
+    reported_remote: Vec<u64>,
 }
 
 pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
@@ -99,28 +110,105 @@ impl PyPlanner {
         Ok(Self {
             inner: Planner::with_groups(cfg, &kinds),
             reported: PlannerStats::default(),
+            reported_remote: Vec::new(),
         })
     }
 
     /// Tokens loadable from CPU after the GPU hit; `block_hashes` is the request's
-    /// hash list (read only where the planner needs it).
+    /// hash list (read only where the planner needs it). `None` while a remote tier is
+    /// being asked: ask again next step.
     fn lookup(
         &mut self,
         req_id: &str,
         block_hashes: Bound<'_, PyAny>,
         num_tokens: i64,
         num_computed_tokens: i64,
-    ) -> PyResult<usize> {
+    ) -> PyResult<Option<usize>> {
         let num_tokens = count(num_tokens, "num_tokens")?;
         let num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")?;
-        self.inner
-            .lookup(
+        let out = self
+            .inner
+            .lookup_tiered(
                 req_id,
                 &PyHashes::new(block_hashes),
                 num_tokens,
                 num_computed_tokens,
             )
-            .map_err(plan_err)
+            .map_err(plan_err)?;
+        Ok(match out {
+            LookupOutcome::Hit { tokens, .. } => Some(tokens),
+            _ => None,
+        })
+    }
+
+    /// Connects a remote tier (blocking up to its deadline) with the keys of `layout`
+    /// (a mapping of `offload_core::tier::KvLayout`'s fields) and uses it in lookups.
+    fn attach_remote(
+        &mut self,
+        py: Python<'_>,
+        config: &PyOffloadConfig,
+        layout: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let remote = remote_of(config)?.clone();
+        let layout = kv_layout(layout)?;
+        let stats = Arc::new(TierStats::default());
+        let probes = py.detach(|| -> PyResult<ProbeQueue> {
+            let tier = connect(&remote, &layout, &stats)?;
+            ProbeQueue::spawn(tier)
+                .map_err(|e| REMOTE_TIER_ERROR.err(format!("cannot start the remote tier: {e}")))
+        })?;
+        self.inner.attach_remote(probes, stats);
+        Ok(())
+    }
+
+    /// Fetches planned since the last call, for the workers:
+    /// `(transfer_id, req_id, hashes, cpu_blocks)` (16-byte hashes, little-endian u32 ids).
+    fn take_fetches<'py>(&mut self, py: Python<'py>) -> Vec<FetchTuple<'py>> {
+        self.inner
+            .take_fetches()
+            .into_iter()
+            .map(|f| {
+                (
+                    f.id,
+                    f.req_id,
+                    hashes_to_bytes(py, f.hashes),
+                    ids_to_bytes(py, &f.cpu_blocks),
+                )
+            })
+            .collect()
+    }
+
+    /// Applies per-rank fetch reports `(transfer_id, leading blocks filled)`; every report
+    /// is applied, and the first one naming an unknown fetch is raised after.
+    fn complete_fetches(&mut self, reports: Vec<(u64, usize)>) -> PyResult<()> {
+        let mut first = None;
+        for (id, filled) in reports {
+            if let Err(e) = self.inner.complete_fetch(id, filled) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), |e| Err(plan_err(e)))
+    }
+
+    /// The remote keys' hashes of CPU blocks (little-endian u32 ids) as 16-byte chunks;
+    /// blocks that hold no hash are left out of both returned lists.
+    fn block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        cpu_blocks: &[u8],
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        let ids = ids_from_bytes(cpu_blocks, "cpu_blocks")?;
+        let (ids, hashes): (Vec<u32>, Vec<BlockHash>) = ids
+            .iter()
+            .zip(self.inner.block_hashes(&ids))
+            .filter_map(|(&b, h)| h.map(|h| (b, h)))
+            .unzip();
+        Ok((hashes_to_bytes(py, hashes), ids_to_bytes(py, &ids)))
+    }
+
+    #[getter]
+    fn has_remote(&self) -> bool {
+        self.inner.has_remote()
     }
 
     /// The scheduler allocated `gpu_block_ids` (a list of group 0's ids, or a tuple of
@@ -405,7 +493,9 @@ impl PyPlanner {
 
     /// Counters since construction, by name.
     fn stats(&self) -> Vec<(&'static str, u64)> {
-        counters(&self.inner.stats()).to_vec()
+        let mut out = counters(&self.inner.stats()).to_vec();
+        out.extend(self.remote_counters());
+        out
     }
 
     /// The counters that grew since the previous call, as `(name, increase)`, and the CPU
@@ -414,16 +504,46 @@ impl PyPlanner {
     fn take_stats_delta(&mut self) -> (Vec<(&'static str, u64)>, usize) {
         let now = self.inner.stats();
         let before = counters(&self.reported);
-        let deltas = counters(&now)
+        let mut deltas: Vec<_> = counters(&now)
             .into_iter()
             .zip(before)
             .filter(|((_, v), (_, was))| v != was)
             .map(|((name, v), (_, was))| (name, v.saturating_sub(was)))
             .collect();
         self.reported = now;
+        let remote = self.remote_counters();
+        if self.reported_remote.len() != remote.len() {
+            self.reported_remote = vec![0; remote.len()];
+        }
+        for ((name, v), was) in remote.into_iter().zip(&mut self.reported_remote) {
+            if v != *was {
+                deltas.push((name, v.saturating_sub(*was)));
+                *was = v;
+            }
+        }
         let cache = self.inner.cache();
         let used = cache.capacity() as usize - cache.pool().num_free();
         (deltas, used)
+    }
+}
+
+impl PyPlanner {
+    /// The remote tier's counters by name (scheduler side and its probes); none without one.
+    fn remote_counters(&self) -> Vec<(&'static str, u64)> {
+        let Some((r, t)) = self.inner.remote_stats() else {
+            return Vec::new();
+        };
+        let mut out = vec![
+            ("remote_pending_lookups", r.pending_lookups),
+            ("remote_fetches", r.fetches),
+            ("remote_fetch_blocks", r.fetch_blocks),
+            ("remote_fetched_blocks", r.fetched_blocks),
+            ("remote_failed_fetch_blocks", r.failed_fetch_blocks),
+            ("remote_hit_tokens", r.remote_hit_tokens),
+            ("remote_skipped_failed", r.skipped_failed),
+        ];
+        out.extend(tier_counters(&t));
+        out
     }
 }
 

@@ -63,7 +63,7 @@ fn ready_err(e: ReadyError) -> PyErr {
 #[pyclass(module = "kvoffload._native", name = "TransferEngine")]
 #[derive(Debug)]
 pub(crate) struct PyTransferEngine {
-    inner: TransferEngine,
+    pub(crate) inner: TransferEngine,
     /// The tensors the regions lie in, referenced while the copy thread may touch them.
     held: Vec<Py<PyAny>>,
 }
@@ -182,7 +182,7 @@ fn open(
         .map_err(build_err)
 }
 
-fn ids_from_bytes(b: &[u8], what: &str) -> PyResult<Vec<u32>> {
+pub(crate) fn ids_from_bytes(b: &[u8], what: &str) -> PyResult<Vec<u32>> {
     if b.len() % 4 != 0 {
         return Err(INVALID_INPUT_ERROR.err(format!(
             "{what}: {} bytes is not a whole number of u32 block ids",

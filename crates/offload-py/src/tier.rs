@@ -1,0 +1,227 @@
+//! The remote tier's bindings: connecting a [`RemoteTier`] for a layout, and the
+//! `WorkerTier` class (a worker rank's fetches and write-behind). Decisions are the
+//! core's (`offload_core::tier`); this file converts.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use offload_core::tier::{
+    sharing_problem, FetchRequest, KeySpace, KvLayout, RedisStore, RemoteConfig, RemoteTier,
+    TierSnapshot, TierStats, WorkerTier,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyMapping};
+
+use crate::config::PyOffloadConfig;
+use crate::convert::type_name;
+use crate::errors::{INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
+use crate::transfer::{ids_from_bytes, PyTransferEngine};
+
+/// Bytes of one block hash in the remote tier's keys (the index's 128 bits).
+pub(crate) const HASH_BYTES: usize = 16;
+
+/// A [`KvLayout`] from a mapping with one entry per field.
+pub(crate) fn kv_layout(layout: &Bound<'_, PyAny>) -> PyResult<KvLayout> {
+    let m = layout.cast::<PyMapping>().map_err(|_| {
+        INVALID_INPUT_ERROR.err(format!(
+            "layout must be a mapping, got {}",
+            type_name(layout)
+        ))
+    })?;
+    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        m.get_item(k)
+            .map_err(|_| INVALID_INPUT_ERROR.err(format!("layout: missing field {k:?}")))
+    };
+    let s = |k: &str| -> PyResult<String> {
+        get(k)?
+            .extract()
+            .map_err(|_| INVALID_INPUT_ERROR.err(format!("layout: {k} must be a str")))
+    };
+    let n = |k: &str| -> PyResult<u32> {
+        get(k)?.extract().map_err(|_| {
+            INVALID_INPUT_ERROR.err(format!("layout: {k} must be an int from 0 to 2**32-1"))
+        })
+    };
+    Ok(KvLayout {
+        model_id: s("model_id")?,
+        dtype: s("dtype")?,
+        block_size: n("block_size")?,
+        num_layers: n("num_layers")?,
+        num_kv_heads: n("num_kv_heads")?,
+        head_size: n("head_size")?,
+        tp_rank: n("tp_rank")?,
+        tp_size: n("tp_size")?,
+        kv_cache_group: n("kv_cache_group")?,
+        hash_algo: s("hash_algo")?,
+        none_hash_seed: s("none_hash_seed")?,
+    })
+}
+
+/// The remote settings of `config`, or an error saying there are none.
+pub(crate) fn remote_of(config: &PyOffloadConfig) -> PyResult<&RemoteConfig> {
+    config
+        .inner
+        .remote
+        .as_ref()
+        .ok_or_else(|| INVALID_INPUT_ERROR.err("the config has no remote_url"))
+}
+
+/// Connects to the store (blocking up to its deadline) for `layout`'s keys.
+pub(crate) fn connect(
+    remote: &RemoteConfig,
+    layout: &KvLayout,
+    stats: &Arc<TierStats>,
+) -> PyResult<RemoteTier> {
+    let err = |e: offload_core::tier::TierError| REMOTE_TIER_ERROR.err(e.to_string());
+    let keys = KeySpace::new(&remote.namespace, layout.fingerprint()).map_err(err)?;
+    let store = RedisStore::connect(&remote.seeds, remote.timeout()).map_err(err)?;
+    Ok(RemoteTier::new(Box::new(store), keys, Arc::clone(stats)))
+}
+
+/// Hashes as the tier's keys take them, from `HASH_BYTES`-byte chunks.
+pub(crate) fn hash_chunks(hashes: &[u8], what: &str) -> PyResult<Vec<Vec<u8>>> {
+    if hashes.len() % HASH_BYTES != 0 {
+        return Err(INVALID_INPUT_ERROR.err(format!(
+            "{what}: {} bytes is not a whole number of {HASH_BYTES}-byte hashes",
+            hashes.len()
+        )));
+    }
+    Ok(hashes
+        .chunks_exact(HASH_BYTES)
+        .map(<[u8]>::to_vec)
+        .collect())
+}
+
+/// Counters of the tier, by name (`remote_` + the field).
+pub(crate) fn tier_counters(s: &TierSnapshot) -> Vec<(&'static str, u64)> {
+    vec![
+        ("remote_probe_round_trips", s.probe_round_trips),
+        ("remote_probe_keys", s.probe_keys),
+        ("remote_probe_hits", s.probe_hits),
+        ("remote_get_hits", s.get_hits),
+        ("remote_get_misses", s.get_misses),
+        ("remote_corrupt_values", s.corrupt_values),
+        ("remote_failed_keys", s.failed_keys),
+        ("remote_timeouts", s.timeouts),
+        ("remote_writes_queued", s.writes_queued),
+        ("remote_writes_dropped", s.writes_dropped),
+        ("remote_writes_done", s.writes_done),
+        ("remote_writes_failed", s.writes_failed),
+        ("remote_bytes_written", s.bytes_written),
+        ("remote_bytes_read", s.bytes_read),
+    ]
+}
+
+/// Why engines cannot share blocks with this hash setup (with the fix), or `None`.
+#[pyfunction]
+pub(crate) fn remote_sharing_problem(hash_algo: &str, pythonhashseed_set: bool) -> Option<String> {
+    sharing_problem(hash_algo, pythonhashseed_set)
+}
+
+/// The remote tier of one worker rank (see `offload_core::tier::WorkerTier`).
+#[pyclass(module = "kvoffload._native", name = "WorkerTier")]
+#[derive(Debug)]
+pub(crate) struct PyWorkerTier {
+    inner: WorkerTier,
+}
+
+#[pymethods]
+impl PyWorkerTier {
+    /// Connects (twice: fetches and writes run on threads of their own) and starts the
+    /// tier over `engine`'s host memory, with the keys of `layout`.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        engine: &PyTransferEngine,
+        config: &PyOffloadConfig,
+        layout: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let remote = remote_of(config)?.clone();
+        let layout = kv_layout(layout)?;
+        let blocks = engine.inner.host_blocks();
+        let inner = py.detach(|| -> PyResult<WorkerTier> {
+            let stats = Arc::new(TierStats::default());
+            let fetch = connect(&remote, &layout, &stats)?;
+            let write = if remote.write {
+                Some(connect(&remote, &layout, &stats)?)
+            } else {
+                None
+            };
+            WorkerTier::spawn(blocks, fetch, write, remote.max_inflight_bytes)
+                .map_err(|e| REMOTE_TIER_ERROR.err(format!("cannot start the remote tier: {e}")))
+        })?;
+        Ok(Self { inner })
+    }
+
+    /// Whether stored blocks are written to the store.
+    #[getter]
+    fn writes(&self) -> bool {
+        self.inner.writes()
+    }
+
+    /// Queues fetch `transfer_id`: blocks `hashes` (16 bytes each) into `cpu_blocks`
+    /// (little-endian u32), which the scheduler reserved for it.
+    fn fetch(&self, transfer_id: u64, hashes: &[u8], cpu_blocks: &[u8]) -> PyResult<()> {
+        let hashes = hash_chunks(hashes, "hashes")?;
+        let cpu_blocks = ids_from_bytes(cpu_blocks, "cpu_blocks")?;
+        if hashes.len() != cpu_blocks.len() {
+            return Err(INVALID_INPUT_ERROR.err(format!(
+                "fetch: {} hashes but {} CPU blocks",
+                hashes.len(),
+                cpu_blocks.len()
+            )));
+        }
+        let req = FetchRequest {
+            id: transfer_id,
+            hashes,
+            cpu_blocks,
+        };
+        // SAFETY: the scheduler reserved these CPU blocks for this fetch: no load or store
+        // names them until every rank reported the fetch (`take_reports`).
+        unsafe { self.inner.fetch(req) };
+        Ok(())
+    }
+
+    /// Fetches finished since the last call: `(transfer_id, leading blocks filled)`.
+    fn take_reports(&self) -> Vec<(u64, usize)> {
+        self.inner.take_reports()
+    }
+
+    /// Offers stored blocks to the write-behind queue; returns how many it took.
+    fn write_stored(&self, py: Python<'_>, hashes: &[u8], cpu_blocks: &[u8]) -> PyResult<usize> {
+        let hashes = hash_chunks(hashes, "hashes")?;
+        let cpu_blocks = ids_from_bytes(cpu_blocks, "cpu_blocks")?;
+        let inner = &self.inner;
+        // SAFETY: called when the store of these blocks completed and before its
+        // completion is reported, so the scheduler cannot have handed them to another copy.
+        Ok(py.detach(|| unsafe { inner.write_stored(&hashes, &cpu_blocks) }))
+    }
+
+    /// Counters since the start, by name.
+    fn stats(&self) -> Vec<(&'static str, u64)> {
+        tier_counters(&self.inner.stats())
+    }
+
+    /// Stops the threads; queued writes get `drain_s` seconds to go out.
+    #[pyo3(signature = (drain_s = 1.0))]
+    fn shutdown(&mut self, py: Python<'_>, drain_s: f64) -> PyResult<()> {
+        let drain = Duration::try_from_secs_f64(drain_s).map_err(|_| {
+            INVALID_INPUT_ERROR.err(format!("drain_s must be >= 0 seconds, got {drain_s}"))
+        })?;
+        let inner = &mut self.inner;
+        py.detach(|| inner.shutdown(drain));
+        Ok(())
+    }
+}
+
+/// `hashes` as the remote tier's key bytes, concatenated.
+pub(crate) fn hashes_to_bytes<'py>(
+    py: Python<'py>,
+    hashes: impl IntoIterator<Item = offload_core::BlockHash>,
+) -> Bound<'py, PyBytes> {
+    let mut buf = Vec::new();
+    for h in hashes {
+        buf.extend_from_slice(&h.0.to_le_bytes());
+    }
+    PyBytes::new(py, &buf)
+}

@@ -1,0 +1,193 @@
+"""The shared Redis Cluster tier end to end: engines in separate processes share one
+3-master cluster on loopback (``scripts/redis_cluster.sh``, one for the module).
+
+Engine A (its own process) computes a set of prompts with ``remote_url`` set and writes
+their blocks behind; engines in other processes, with empty CPU pools, then serve those
+prefixes from the cluster, token-identical to vLLM without kvoffload. A wrong namespace
+misses, corrupted values are recomputed, and a master killed between two batches costs
+misses, never a hang. Tests run in file order: corruption, then the killed master, last.
+Every prompt has its own long prefix, so each one that is not local needs the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_harness import run_script
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="redis-server is missing (scripts/setup.sh)"
+)
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER = REPO / "scripts" / "redis_cluster.sh"
+NAMESPACE = "kvoffload-e2e"
+
+WRITER = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from vllm_harness import (
+        engine, generate, offload_config, shared_prefix_prompts, worker_connector,
+    )
+
+    prompts = shared_prefix_prompts(4, 4)
+    with engine({model!r}) as llm:
+        reference = generate(llm, prompts)
+    cfg = offload_config(remote_url={url!r}, remote_namespace={ns!r})
+    with engine({model!r}, cfg) as llm:
+        outputs = generate(llm, prompts)
+        tier = worker_connector().offload_worker._tier
+        queued = dict(tier.stats())["remote_writes_queued"] if tier is not None else 0
+    print("RESULT", json.dumps(dict(reference=reference, outputs=outputs, queued=queued)))
+    """
+)
+
+#: Each phase is a fresh engine with an empty CPU pool: ``ns`` (namespace), ``extra``
+#: (more config keys), ``kill`` (a pid file: that master is killed after the first half
+#: of the prompts is served).
+READER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from vllm_harness import (
+        engine, generate, offload_config, planner_stats, shared_prefix_prompts,
+        worker_connector,
+    )
+
+    prompts = shared_prefix_prompts(4, 4)
+    results = {{}}
+    for phase in json.loads({phases!r}):
+        cfg = offload_config(
+            remote_url={url!r}, remote_namespace=phase["ns"], **phase.get("extra", {{}})
+        )
+        with engine({model!r}, cfg) as llm:
+            if phase.get("kill"):
+                outputs = generate(llm, prompts[:2])
+                with open(phase["kill"]) as f:
+                    os.kill(int(f.read().strip()), signal.SIGKILL)
+                outputs += generate(llm, prompts[2:])
+            else:
+                outputs = generate(llm, prompts)
+            stats = planner_stats(llm)
+            tier = worker_connector().offload_worker._tier
+            worker = dict(tier.stats()) if tier is not None else {{}}
+        results[phase["name"]] = dict(outputs=outputs, planner=stats, worker=worker)
+    print("RESULT", json.dumps(results))
+    """
+)
+
+
+def _cli(port: str, *args: str) -> str:
+    return subprocess.run(
+        ["redis-cli", "-h", "127.0.0.1", "-p", port, *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    out = subprocess.run(
+        ["bash", str(CLUSTER), "start"], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    directory = env["REDIS_CLUSTER_DIR"]
+    try:
+        yield directory, env["REDIS_CLUSTER_URL"]
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", directory], check=False, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def written(cluster: tuple[str, str], tiny_model: Path) -> dict[str, Any]:
+    """Engine A's run: the reference outputs (vLLM without kvoffload) and its own."""
+    _, url = cluster
+    tests = str(Path(__file__).parent)
+    script = WRITER.format(tests=tests, model=str(tiny_model), url=url, ns=NAMESPACE)
+    result = run_script(script, {})
+    assert result["outputs"] == result["reference"]
+    assert result["queued"] > 0, "engine A wrote nothing behind"
+    return result
+
+
+def _read(cluster: tuple[str, str], model: Path, phases: list[dict[str, Any]]) -> dict[str, Any]:
+    _, url = cluster
+    script = READER.format(
+        tests=str(Path(__file__).parent), model=str(model), url=url, phases=json.dumps(phases)
+    )
+    return run_script(script, {})
+
+
+def test_engines_share_prefixes_through_the_cluster(
+    cluster: tuple[str, str], tiny_model: Path, written: dict[str, Any]
+) -> None:
+    """Engine B (another process, an empty CPU pool) serves the prefixes only engine A
+    computed, token-identical to vLLM without kvoffload, with sync and async loads; under
+    another namespace the same prompts miss."""
+    phases = [
+        {"name": "sync", "ns": NAMESPACE},
+        {"name": "async", "ns": NAMESPACE, "extra": {"load_mode": "async"}},
+        {"name": "other", "ns": "another-deployment"},
+    ]
+    r = _read(cluster, tiny_model, phases)
+    reference = written["reference"]
+    for name in ("sync", "async"):
+        assert r[name]["outputs"] == reference, name
+        planner = r[name]["planner"]
+        assert planner["remote_hit_tokens"] > 0, (name, planner)
+        assert planner["remote_failed_fetch_blocks"] == 0, (name, planner)
+        assert r[name]["worker"]["remote_bytes_read"] > 0, (name, r[name]["worker"])
+    other = r["other"]
+    assert other["outputs"] == reference
+    assert other["planner"]["remote_probe_round_trips"] > 0
+    assert other["planner"]["remote_hit_tokens"] == 0
+    assert other["planner"]["remote_fetches"] == 0
+
+
+def _corrupt_all(directory: str) -> int:
+    """Overwrites a run of payload bytes in every value of the namespace; returns how many."""
+    n = 0
+    for pid_file in Path(directory).glob("*.pid"):
+        port = pid_file.stem
+        for key in _cli(port, "--scan", "--pattern", f"{NAMESPACE}:*").split():
+            _cli(port, "SETRANGE", key, "100", "kvoffload-corrupted")
+            n += 1
+    return n
+
+
+def test_corrupted_values_are_recomputed(
+    cluster: tuple[str, str], tiny_model: Path, written: dict[str, Any]
+) -> None:
+    """Every stored value corrupted: the checksums refuse them, the blocks are recomputed
+    (token-identical), and no request is offered the failed fetch again."""
+    directory, _ = cluster
+    assert _corrupt_all(directory) > 0
+    r = _read(cluster, tiny_model, [{"name": "corrupt", "ns": NAMESPACE}])["corrupt"]
+    assert r["outputs"] == written["reference"]
+    assert r["worker"]["remote_corrupt_values"] > 0, r["worker"]
+    assert r["planner"]["remote_failed_fetch_blocks"] > 0, r["planner"]
+    assert r["planner"]["remote_hit_tokens"] == 0, r["planner"]
+    assert r["planner"]["remote_fetches"] <= 4, "a failed fetch was offered again"
+
+
+def test_a_killed_master_costs_misses_not_a_hang(
+    cluster: tuple[str, str], tiny_model: Path, written: dict[str, Any]
+) -> None:
+    """A master killed while the engine runs (between its first two and last two prompts,
+    whose prefixes are only in the cluster): the remaining requests finish (every call has
+    a deadline) with the same tokens."""
+    directory, _ = cluster
+    victim = sorted(Path(directory).glob("*.pid"))[0]
+    r = _read(cluster, tiny_model, [{"name": "kill", "ns": NAMESPACE, "kill": str(victim)}])
+    assert r["kill"]["outputs"] == written["reference"]
+    assert r["kill"]["planner"]["remote_probe_round_trips"] > 0
