@@ -83,6 +83,37 @@ def remote_config(cpu_bytes: int, url: str, namespace: str) -> dict[str, Any]:
     return cfg
 
 
+def tier_stats(llm: Any) -> dict[str, Any]:
+    """The remote tier's counters on both sides, and a CPU block's bytes (in-process engine:
+    the worker's connector lives in this process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
+    worker = get_kv_transfer_group().offload_worker
+    tier = worker._tier
+    return {
+        "planner": dict(sched.offload_scheduler.planner.stats()),
+        "worker": dict(tier.stats()) if tier is not None else {},
+        "block_bytes": worker.engine.cpu_block_bytes,
+    }
+
+
+def fetch_figures(r: dict[str, Any]) -> dict[str, Any]:
+    """What the remote run's fetches moved: bytes, round trips, time waiting, bytes/s."""
+    w = r["extra"]["worker"]
+    seconds = w.get("remote_get_micros", 0) / 1e6
+    return {
+        "remote_hit_tokens": r["extra"]["planner"].get("remote_hit_tokens", 0),
+        "fetched_blocks": r["extra"]["planner"].get("remote_fetched_blocks", 0),
+        "fetch_round_trips": w.get("remote_get_round_trips", 0),
+        "fetch_bytes": w.get("remote_bytes_read", 0),
+        "fetch_seconds": seconds,
+        "fetch_bytes_per_s": w.get("remote_bytes_read", 0) / seconds if seconds else 0.0,
+        "kv_bytes_per_token": r["extra"]["block_bytes"] / r["block_size"],
+        "block_size": r["block_size"],
+    }
+
+
 def summary(r: dict[str, Any]) -> dict[str, Any]:
     ttft = sorted(r["ttft_s"])
     return {
@@ -127,7 +158,9 @@ def main() -> int:
             runs["local"] = run(spec, offload_config(cpu), w, vocab, warm=True)
             term.write("local done\n")
             run(spec, remote_config(cpu, url, namespace), w, vocab)
-            runs["remote"] = run(spec, remote_config(cpu, url, namespace), w, vocab)
+            runs["remote"] = run(
+                spec, remote_config(cpu, url, namespace), w, vocab, extra=tier_stats
+            )
             term.write("remote done\n")
             reference = runs["recompute"]["outputs"]
             results = {
@@ -142,8 +175,15 @@ def main() -> int:
                     f"recomputed {s['recomputed_tokens']:,}; identical: "
                     f"{'yes' if s['identical'] else 'NO'}\n"
                 )
+            fetch = fetch_figures(runs["remote"])
+            term.write(
+                f"remote fetches: {fetch['fetch_bytes']:,} bytes in "
+                f"{fetch['fetch_round_trips']} round trips, {fetch['fetch_seconds']:.3f} s "
+                f"waiting ({fetch['fetch_bytes_per_s'] / 2**20:.0f} MiB/s); "
+                f"{fetch['kv_bytes_per_token']:,.0f} KV bytes per token\n"
+            )
             ok = all(s["identical"] for s in results.values())
-            hit = results["remote"]["connector_hit_tokens"] > 0
+            hit = results["remote"]["connector_hit_tokens"] > 0 and fetch["remote_hit_tokens"] > 0
             if not hit:
                 term.write("the remote run served nothing from the cluster\n")
             write_json(
@@ -156,6 +196,7 @@ def main() -> int:
                         k: v for k, v in vars(args).items() if k not in ("json", "log", "redis_url")
                     },
                     "results": results,
+                    "fetch": fetch,
                 },
             )
     finally:

@@ -190,6 +190,7 @@ def run(
     on_request_done: Callable[[], None] = lambda: None,
     *,
     warm: bool = False,
+    extra: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Runs ``workload`` on a fresh engine (shut down afterwards) and returns per-request
     time to first token and output tokens (ordered by user, then turn), wall and process
@@ -197,7 +198,9 @@ def run(
     tokens served from vLLM's own prefix cache, from the connector, and recomputed.
 
     ``warm``: run the workload once first, then drop vLLM's own prefix cache, and measure
-    the second pass (what a connector holds is all that is left of the first)."""
+    the second pass (what a connector holds is all that is left of the first).
+    ``extra``: called with the engine after the measured pass, before shutdown; what it
+    returns is the result's ``extra``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -229,6 +232,7 @@ def run(
         after = _counters(llm)
         cache = engine.vllm_config.cache_config
         blocks, block_size = int(cache.num_gpu_blocks), int(cache.block_size)
+        more = extra(llm) if extra is not None else {}
     finally:
         _shutdown(llm)
 
@@ -254,4 +258,5 @@ def run(
         "output_tokens": sum(len(r["output"]) for r in reqs),
         "ttft_s": [r["ttft_s"] for r in reqs],
         "outputs": [r["output"] for r in reqs],
+        "extra": more,
     }

@@ -621,6 +621,62 @@ def e2e_table() -> str:
     return f"{head}\n\n" + "\n".join(rows) + "\n"
 
 
+@region("remote-tier")
+def remote_tier_table() -> str:
+    d = load_json("benchmarks/remote_tier.json")
+    p, res, f = d["params"], d["results"], d["fetch"]
+    cols = [("recompute", "recompute (vLLM alone)"), ("local", "local CPU hit"),
+            ("remote", "remote hit (Redis Cluster)")]  # fmt: skip
+    rows = ["| | " + " | ".join(n for _, n in cols) + " |", "|---|" + "---|" * len(cols)]
+    base = res["recompute"]
+
+    def cells(fmt: Callable[[dict[str, Any]], str]) -> str:
+        return " | ".join(fmt(res[k]) for k, _ in cols)
+
+    def lower(r: dict[str, Any]) -> str:
+        return "" if r is base else f" ({ratio(base['ttft_mean_ms'] / r['ttft_mean_ms'])} lower)"
+
+    rows += [
+        "| mean time to first token | "
+        + cells(lambda r: f"{r['ttft_mean_ms']:,.0f} ms{lower(r)}")
+        + " |",
+        "| time to first token, p50 / p90 | "
+        + cells(lambda r: f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p90_ms']:,.0f} ms")
+        + " |",
+        "| prompt tokens from kvoffload / recomputed | "
+        + cells(lambda r: f"{r['connector_hit_tokens']:,} / {r['recomputed_tokens']:,}")
+        + " |",
+        "| outputs token-identical to vLLM alone | "
+        + cells(lambda r: "—" if r is base else ("yes" if r["identical"] else "NO"))
+        + " |",
+    ]
+    prompt = p["system_tokens"] + p["question_tokens"]
+    # Recomputation's cost per prompt token, and the bandwidth a fetch needs to beat it.
+    recompute_s_per_token = base["ttft_mean_ms"] / 1e3 / prompt
+    need = f["kv_bytes_per_token"] / recompute_s_per_token
+    got = f["fetch_bytes_per_s"]
+    per_fetch = f["fetch_bytes"] / max(f["fetch_round_trips"], 1)
+    prefix_mib = f["kv_bytes_per_token"] * p["system_tokens"] / 2**20
+    head = (
+        f"{d['model_description']}; {p['users']} users, each a "
+        f"{p['system_tokens']:,}-token document + a {p['question_tokens']}-token question, "
+        f"{p['output_tokens']}-token answers; vLLM KV cache {p['kv_cache_mib']:g} MiB, CPU pool "
+        f"{p['cpu_mib']:g} MiB, a 3-master Redis Cluster on loopback "
+        f"({machine_line(d['machine'])}):"
+    )
+    tail = (
+        f"The remote run fetched {f['fetch_bytes'] / 2**20:,.1f} MiB in "
+        f"{f['fetch_round_trips']} round trips ({per_fetch / 2**20:,.2f} MiB each), waiting "
+        f"{f['fetch_seconds'] * 1e3:,.0f} ms in all: **{got / 2**20:,.0f} MiB/s per fetch**. "
+        f"This model's KV is {f['kv_bytes_per_token']:,.0f} bytes per token "
+        f"({prefix_mib:,.1f} MiB per {p['system_tokens']:,}-token prefix), and recomputing "
+        f"cost {recompute_s_per_token * 1e3:,.2f} ms per prompt token here, so a remote hit "
+        f"beats recomputation while the tier delivers more than "
+        f"**{need / 2**20:,.1f} MiB/s** ({need * 8 / 1e9:,.2f} Gbit/s) to the engine."
+    )
+    return f"{head}\n\n" + "\n".join(rows) + f"\n\n{tail}\n"
+
+
 def describe_workload(p: dict[str, Any]) -> str:
     return (
         f"{p['users']} users x {p['turns']} turns, {p['system_tokens']:,}-token system prompts + "

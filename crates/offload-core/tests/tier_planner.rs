@@ -296,3 +296,36 @@ fn a_corrupt_or_missing_value_fills_only_the_blocks_before_it() {
     unsafe { w.fetch(req(2, &absent)) };
     assert_eq!(wait_reports(&w), vec![(2, 1)]);
 }
+
+#[test]
+fn a_failed_load_of_fetched_blocks_is_recomputed_not_fetched_again() {
+    let store = MemoryStore::default();
+    let h = chain(5);
+    write_remote(&store, &h[..3], 8);
+    let mut p = planner(&store, 8);
+    assert_eq!(settle(&mut p, "a", &h, 81), LookupOutcome::Pending);
+    let fetch = p.take_fetches().remove(0);
+    p.complete_fetch(fetch.id, 3).unwrap();
+    assert!(matches!(
+        p.lookup_tiered("a", &h, 81, 0).unwrap(),
+        LookupOutcome::Hit { tokens: 48, .. }
+    ));
+    p.on_alloc("a", &[10, 11, 12, 13, 14, 15], 0, 48).unwrap();
+    let plan = p.schedule::<Vec<BlockHash>>([], []).unwrap();
+    p.complete(plan.loads[0].id, false).unwrap();
+    // vLLM asks again for a request whose async load failed: the failed blocks left the
+    // CPU tier, and the answer is to recompute, not another round of the same fetch.
+    let probes = p.remote_stats().unwrap().1.probe_round_trips;
+    for _ in 0..3 {
+        assert_eq!(
+            p.lookup_tiered("a", &h, 81, 0).unwrap(),
+            LookupOutcome::Hit {
+                tokens: 0,
+                remote_tokens: 0
+            }
+        );
+    }
+    assert_eq!(p.remote_stats().unwrap().1.probe_round_trips, probes);
+    assert_eq!(p.remote_stats().unwrap().0.fetches, 1);
+    assert!(p.take_fetches().is_empty());
+}

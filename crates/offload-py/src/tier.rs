@@ -98,6 +98,8 @@ pub(crate) fn tier_counters(s: &TierSnapshot) -> Vec<(&'static str, u64)> {
         ("remote_probe_round_trips", s.probe_round_trips),
         ("remote_probe_keys", s.probe_keys),
         ("remote_probe_hits", s.probe_hits),
+        ("remote_get_round_trips", s.get_round_trips),
+        ("remote_get_micros", s.get_micros),
         ("remote_get_hits", s.get_hits),
         ("remote_get_misses", s.get_misses),
         ("remote_corrupt_values", s.corrupt_values),

@@ -165,7 +165,7 @@ impl Planner {
             );
         }
         let bs = self.block_size();
-        self.forget_remote(req);
+        self.remote_allocated(req);
         if num_external_tokens == 0 {
             if let Some(r) = self.requests.get_mut(req) {
                 r.release_hit(&mut self.cache);

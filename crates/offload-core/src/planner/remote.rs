@@ -350,8 +350,23 @@ impl Planner {
         Ok(())
     }
 
-    /// Forgets the remote state of `req` (allocated, finished or aborted); blocks held for
-    /// it are released, a fetch in flight still completes into the CPU tier.
+    /// `req` was allocated: blocks held for it are released (its hit pinned them). That
+    /// it had its remote attempt is kept: vLLM asks again for a request whose load failed,
+    /// and the answer must then be the local hit, not another fetch of the same blocks.
+    pub(super) fn remote_allocated(&mut self, req: &str) {
+        let Some(remote) = self.remote.as_deref_mut() else {
+            return;
+        };
+        remote.probes.forget(req);
+        if let Some(Phase::Tried { pinned, .. }) = remote.reqs.get_mut(req) {
+            for b in pinned.drain(..) {
+                let _ = self.cache.unpin(b);
+            }
+        }
+    }
+
+    /// Forgets the remote state of `req` (finished or aborted); blocks held for it are
+    /// released, a fetch in flight still completes into the CPU tier.
     pub fn forget_remote(&mut self, req: &str) {
         let Some(remote) = self.remote.as_deref_mut() else {
             return;

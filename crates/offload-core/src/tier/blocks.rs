@@ -119,8 +119,11 @@ impl RemoteTier {
             return Ok(Vec::new());
         }
         let keys = self.keys_of(hashes)?;
+        let started = std::time::Instant::now();
         let answers = self.store.get(&keys);
+        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         bump(&self.stats.get_round_trips, 1);
+        bump(&self.stats.get_micros, micros);
         check_count("get", answers.len(), keys.len())?;
         let fp = self.keys.fingerprint();
         let mut out = Vec::with_capacity(answers.len());

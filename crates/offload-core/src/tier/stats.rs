@@ -37,6 +37,8 @@ counters! {
     probe_hits,
     /// Fetches sent: one round trip each.
     get_round_trips,
+    /// Microseconds spent waiting for fetches (their round trips, whole).
+    get_micros,
     /// Blocks fetched and verified.
     get_hits,
     /// Blocks asked for that the store did not have.
