@@ -3,7 +3,8 @@
 //! memory of blocks that failed to come (see [`crate::tier`] for the whole path).
 //!
 //! Nothing here runs without [`Planner::attach_remote`]: [`Planner::lookup_tiered`] is
-//! then [`Planner::lookup`] and one branch.
+//! then [`Planner::lookup`] and one branch. The tier serves planners of one KV-cache group
+//! (its keys name one); with several, lookups stay local.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -180,6 +181,11 @@ impl Planner {
         let Some(remote) = self.remote.as_deref_mut() else {
             return Ok(hit);
         };
+        // Keys name one KV-cache group: a planner of several is served locally only (the
+        // connector does not attach a tier to one).
+        if self.groups.is_some() {
+            return Ok(hit);
+        }
         let bs = self.cfg.block_size as usize;
         if num_computed_tokens % bs != 0 || self.cache.capacity() == 0 {
             return Ok(hit);
