@@ -39,6 +39,13 @@ def test_import_has_no_vllm_dependency() -> None:
         ("lazy_offload", 1, "1"),
         ("load_mode", "soon", "soon"),
         ("load_mode", 3, "3"),
+        ("remote_url", "http://cache:6379", "http://cache:6379"),
+        ("remote_url", "redis://a:1,rediss://b:2", "rediss://b:2"),
+        ("remote_timeout_ms", 0, "0"),
+        ("remote_timeout_ms", "fast", "fast"),
+        ("remote_write", "maybe", "maybe"),
+        ("remote_max_inflight_bytes", -1, "-1"),
+        ("remote_namespace", "a{b}", "a{b}"),
     ],
 )
 def test_every_bad_config_value_raises_config_error_naming_key_and_value(
@@ -63,6 +70,30 @@ def test_config_defaults_split_over_world_size_and_warn_on_unknown_keys() -> Non
     assert cfg.lazy_offload
     assert any("cpu_bytes_to_use_per_rank" in w for w in warnings)
     assert cfg.num_cpu_blocks(100) == 3
+
+
+def test_remote_config_is_validated_and_never_shows_a_password() -> None:
+    cfg, _ = kvoffload.parse_config({}, 1)
+    assert cfg.remote is None
+    cfg, _ = kvoffload.parse_config(
+        {
+            "remote_url": "redis://u:hunter2@a:7000, redis://b:7001",
+            "remote_namespace": "team-a",
+            "remote_timeout_ms": 50,
+            "remote_write": False,
+            "remote_max_inflight_bytes": 2**20,
+        },
+        1,
+    )
+    assert cfg.remote is not None
+    assert cfg.remote["namespace"] == "team-a"
+    assert (cfg.remote["timeout_ms"], cfg.remote["write"]) == (50, False)
+    assert cfg.remote["max_inflight_bytes"] == 2**20
+    assert "hunter2" not in repr(cfg.remote)
+    assert "b:7001" in cfg.remote["url"]
+    with pytest.raises(kvoffload.ConfigError) as info:
+        kvoffload.parse_config({"remote_url": "redis://u:hunter2@", "remote_write": 1}, 1)
+    assert "hunter2" not in str(info.value)
 
 
 def test_config_must_be_a_mapping() -> None:
