@@ -521,7 +521,9 @@ class SchedHarness:
         assert not s.waiting
         assert not s.running
         assert not s.finished_recving_kv_req_ids
-        assert [b.block_id for b in self.gpu_pool.blocks if b.ref_cnt] == []
+        # vLLM pads sliding-window tables with its null block without counting a reference
+        # and decrements it on free: its count means nothing.
+        assert [b.block_id for b in self.gpu_pool.blocks if b.ref_cnt and not b.is_null] == []
         assert self.planner.num_requests == 0
         assert not self.planner.has_work_in_flight()
         assert not self.in_flight

