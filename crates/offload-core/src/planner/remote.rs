@@ -174,10 +174,6 @@ impl Planner {
             tokens,
             remote_tokens: 0,
         };
-        // The remote tier keys blocks by hash alone: a multi-group planner never uses it.
-        if self.groups.is_some() {
-            return Ok(hit);
-        }
         let Some(remote) = self.remote.as_deref_mut() else {
             return Ok(hit);
         };
