@@ -134,7 +134,7 @@ class KvoIndex:
 
     def store(self, hashes: list[bytes]) -> None:
         p = self.planner
-        _loads, store, held, _ = p.schedule([], [], [], [], [], [], (), {}, self._gpu_ids, hashes)
+        _loads, store, held, *_ = p.schedule([], [], [], [], [], [], (), {}, self._gpu_ids, hashes)
         assert len(held) == len(hashes), "every key is new"
         assert store is not None
         p.complete([store[0]], [True])

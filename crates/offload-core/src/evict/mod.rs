@@ -1,6 +1,7 @@
 //! Eviction: which unpinned, published CPU block to reuse next. One flavour per file:
-//! [`Clock`] (the default: a pin or unpin touches one bit) and [`Lru`] (exact order, at
-//! the cost of relinking list neighbours on every pin and unpin).
+//! [`Lru`] (the default: exact order, as vLLM's block pool evicts, at the cost of
+//! relinking list neighbours on every pin and unpin) and [`Clock`] (a pin or unpin
+//! touches one bit; second chance only approximates that order).
 
 mod clock;
 mod lru;
