@@ -3,6 +3,8 @@ over a logging interval."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvoffload.stats import CounterDeltas, KVOffloadStats
 
 
@@ -39,3 +41,49 @@ def test_deltas_report_only_what_changed() -> None:
     assert again is not None
     assert again.data == {"counters": {"lookups": 3}, "gauges": {}, "times": {}}
     assert KVOffloadStats().is_empty()
+
+
+def test_remote_tier_counters_reach_their_prometheus_series() -> None:
+    from functools import partial
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvoffload.stats import KVOffloadPromMetrics
+
+    reg = CollectorRegistry()
+    types: dict[type, Any] = {
+        cls: partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)
+    }
+    metrics = KVOffloadPromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]}
+    )
+    labels = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("vllm:kv_offload_remote_hit_tokens_total", labels) == 0
+    metrics.observe(
+        {
+            "counters": {
+                "remote_hit_tokens": 256,
+                "remote_fetched_blocks": 2,
+                "remote_bytes_read": 4096,
+                "remote_bytes_written": 8192,
+                "remote_writes_dropped": 3,
+                "remote_corrupt_values": 1,
+                "remote_failed_fetch_blocks": 4,
+                "remote_writes_failed": 5,
+            }
+        }
+    )
+    expected = {
+        ("vllm:kv_offload_remote_hit_tokens_total", ()): 256,
+        ("vllm:kv_offload_remote_fetched_blocks_total", ()): 2,
+        ("vllm:kv_offload_remote_read_bytes_total", ()): 4096,
+        ("vllm:kv_offload_remote_written_bytes_total", ()): 8192,
+        ("vllm:kv_offload_remote_dropped_writes_total", ()): 3,
+        ("vllm:kv_offload_remote_corrupt_values_total", ()): 1,
+        ("vllm:kv_offload_remote_failed_blocks_total", ("fetch",)): 4,
+        ("vllm:kv_offload_remote_failed_blocks_total", ("write",)): 5,
+    }
+    for (name, extra), value in expected.items():
+        got = reg.get_sample_value(name, {**labels, **({"direction": extra[0]} if extra else {})})
+        assert got == value, name
