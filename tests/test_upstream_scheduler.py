@@ -253,10 +253,14 @@ def test_preemption_no_cpu_block_leak(model: Path) -> None:
     h.release()
     h.run()
     h.assert_idle()
-    # No CPU block stayed pinned: the whole pool can be taken over by new prompts.
+    # No CPU block stayed pinned: a reset frees every unpinned block at once (a pinned
+    # one would wait for its pin), so the whole pool is free again. (Upstream fills the
+    # pool with new prompts instead; kvoffload's segmented LRU keeps the loaded prompt
+    # over blocks never used again, which would not prove the same thing.)
+    assert h.connector.reset_cache() is True
+    assert h.planner.num_free_blocks == h.planner.num_cpu_blocks
     x, _ = store_prompt(h, 2)
     y, _ = store_prompt(h, 2)
-    assert h.stored_blocks(prompt) == [False, False]
     assert h.stored_blocks(x) == [True, True]
     assert h.stored_blocks(y) == [True, True]
 

@@ -12,7 +12,7 @@
 //!   pin is dropped.
 
 use crate::events::{EventBuffer, KvEvent};
-use crate::evict::{EvictionPolicy, Lru};
+use crate::evict::{EvictionPolicy, Slru};
 use crate::index::PrefixIndex;
 use crate::key::{BlockHash, BlockId, BlockKey};
 use crate::pool::{BlockPool, BlockState, PoolError};
@@ -43,7 +43,7 @@ pub enum Reservation {
 /// assert_eq!(cache.ready_prefix(0, &[BlockHash(42)]), 1);
 /// ```
 #[derive(Debug)]
-pub struct BlockCache<P: EvictionPolicy = Lru> {
+pub struct BlockCache<P: EvictionPolicy = Slru> {
     pool: BlockPool,
     index: PrefixIndex,
     policy: P,
@@ -51,18 +51,19 @@ pub struct BlockCache<P: EvictionPolicy = Lru> {
     evicted: u64,
 }
 
-impl BlockCache<Lru> {
-    /// A cache of `capacity` blocks with least-recently-used ([`Lru`]) eviction, the
-    /// order vLLM's own block pool evicts in; KV events are buffered when `events` is
-    /// true.
+impl BlockCache<Slru> {
+    /// A cache of `capacity` blocks with segmented LRU ([`Slru`]) eviction; KV events
+    /// are buffered when `events` is true.
     ///
-    /// On a churning trace (a CPU pool smaller than its shared prefixes, the
-    /// `churn` trace of `benches/compare_scheduler.py`), second chance ([`crate::Clock`])
-    /// served fewer CPU hits than vLLM's own CPU tier and recomputed more; exact LRU
-    /// serves the same ones. Its relinks cost little here: a prefix stored in one go is
-    /// linked in order, so pinning and unpinning it touches neighbouring links.
+    /// On a churning trace (a CPU pool smaller than its shared prefixes, the `churn`
+    /// trace of `benches/compare_scheduler.py`), second chance ([`crate::Clock`])
+    /// served fewer CPU hits than vLLM's own CPU tier (plain LRU), and plain LRU
+    /// ([`crate::Lru`]) as many: each request's own blocks, stored and never used
+    /// again, push shared prefixes out. Segmented LRU evicts those first. Its relinks
+    /// cost little: a prefix stored in one go is linked in order, so pinning and
+    /// unpinning it touches neighbouring links.
     pub fn new(capacity: u32, events: bool) -> Self {
-        Self::with_policy(capacity, Lru::new(capacity), events)
+        Self::with_policy(capacity, Slru::new(capacity), events)
     }
 }
 

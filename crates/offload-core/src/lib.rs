@@ -81,7 +81,7 @@ pub use cache::{BlockCache, Reservation};
 pub use config::{ConfigValue, KvCacheLayout, LoadMode, OffloadConfig, ParsedConfig};
 pub use error::{ConfigError, HashError, PlanError};
 pub use events::{EventBuffer, KvEvent, PlannerStats};
-pub use evict::{Clock, EvictionPolicy, Lru};
+pub use evict::{Clock, EvictionPolicy, Lru, Slru};
 pub use index::{PrefixIndex, Vacancy};
 pub use key::{BlockHash, BlockId, BlockKey};
 pub use planner::{

@@ -1,13 +1,16 @@
 //! Eviction: which unpinned, published CPU block to reuse next. One flavour per file:
-//! [`Lru`] (the default: exact order, as vLLM's block pool evicts, at the cost of
-//! relinking list neighbours on every pin and unpin) and [`Clock`] (a pin or unpin
-//! touches one bit; second chance only approximates that order).
+//! [`Slru`] (the default: segmented LRU, blocks never used again go first), [`Lru`]
+//! (exact order, as vLLM's block pool evicts, relinking list neighbours on every pin
+//! and unpin) and [`Clock`] (a pin or unpin touches one bit; second chance only
+//! approximates that order).
 
 mod clock;
 mod lru;
+mod slru;
 
 pub use clock::Clock;
 pub use lru::Lru;
+pub use slru::Slru;
 
 use crate::key::BlockId;
 
