@@ -107,3 +107,50 @@ impl HostBlocks {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::transfer::{RegionSpec, TransferConfig, TransferEngine};
+
+    #[test]
+    fn blocks_are_the_regions_slices_in_order_and_bad_ids_or_lengths_are_refused() {
+        let mut device = vec![0u8; 2 * 4 * 8];
+        let base = device.as_mut_ptr() as u64;
+        // SAFETY: `device` outlives the engine and no job is submitted.
+        let regions = unsafe {
+            vec![
+                RegionSpec::new(base, 4, 8, 8).unwrap(),
+                RegionSpec::new(base + 32, 4, 4, 4).unwrap(),
+            ]
+        };
+        let mut engine = TransferEngine::new(regions, 3, TransferConfig::default()).unwrap();
+        let blocks = engine.host_blocks();
+        assert_eq!((blocks.block_bytes(), blocks.num_blocks()), (12, 3));
+        let data: Vec<u8> = (1..=12).collect();
+        // SAFETY: no job is in flight and no other thread uses the blocks.
+        unsafe {
+            blocks.write_block(2, &data).unwrap();
+            assert_eq!(
+                blocks.write_block(2, &data[..11]),
+                Err(BlockAccessError::WrongLength {
+                    len: 11,
+                    expected: 12
+                })
+            );
+            assert!(matches!(
+                blocks.write_block(3, &data),
+                Err(BlockAccessError::InvalidBlock { id: 3, limit: 3 })
+            ));
+            let mut out = vec![0xee];
+            blocks.read_block(2, &mut out).unwrap();
+            assert_eq!(out[1..], data[..]);
+            assert!(blocks.read_block(3, &mut out).is_err());
+        }
+        assert_eq!(engine.cpu_block_slice(0, 2).unwrap(), &data[..8]);
+        assert_eq!(engine.cpu_block_slice(1, 2).unwrap(), &data[8..]);
+        drop(engine);
+        drop(device);
+    }
+}
