@@ -149,10 +149,13 @@ class KVOffloadStats(KVConnectorStats):
     gauges the latest value, copy times listed)."""
 
     def __post_init__(self) -> None:
-        if not self.data:
+        data = self.data
+        if not data:
             self.data = _empty()
-        for part in (COUNTERS, GAUGES, TIMES):
-            self.data.setdefault(part, {})
+        elif COUNTERS not in data or GAUGES not in data or TIMES not in data:
+            # A partial payload; the scheduler builds one per step, complete.
+            for part in (COUNTERS, GAUGES, TIMES):
+                data.setdefault(part, {})
 
     def reset(self) -> None:
         self.data = _empty()
@@ -227,11 +230,18 @@ class CounterDeltas:
         times: dict[str, list[float]] | None = None,
     ) -> KVOffloadStats | None:
         """Like :meth:`delta`, from counter increases computed by the caller."""
-        changed = {n: v for n, v in (gauges or {}).items() if self._gauges.get(n) != v}
-        new_times = {n: v for n, v in (times or {}).items() if v}
+        # Called after every engine step: nothing is built unless something changed.
+        last = self._gauges
+        changed: dict[str, int] = {}
+        if gauges:
+            for n, v in gauges.items():
+                if last.get(n) != v:
+                    changed[n] = v
+        new_times = {n: v for n, v in times.items() if v} if times else {}
         if not deltas and not changed and not new_times:
             return None
-        self._gauges.update(changed)
+        if changed:
+            last.update(changed)
         return KVOffloadStats(data={COUNTERS: dict(deltas), GAUGES: changed, TIMES: new_times})
 
 
