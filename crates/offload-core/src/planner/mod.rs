@@ -14,6 +14,10 @@
 //! 5. [`Planner::request_finished`] when a request ends (its last full blocks are
 //!    flushed to CPU in the next plan).
 //!
+//! With a remote tier ([`Planner::attach_remote`]), step 1 is [`Planner::lookup_tiered`],
+//! which may answer "pending"; [`Planner::take_fetches`] goes with each plan and
+//! [`Planner::complete_fetch`] takes the ranks' fetch reports (see [`crate::tier`]).
+//!
 //! Hashes are read through [`HashSource`] at the moment they are used, and checked
 //! against what the planner read before: a list the server truncated and regrew with
 //! other content (vLLM's streaming sessions) never leads to a store or a hit under a key
