@@ -384,9 +384,11 @@ impl Planner {
     ///
     /// vLLM frees finished requests' blocks after the step's plan is built, and the next
     /// step may evict them before that plan's walk sees them; offering them when they
-    /// are freed keeps them. Nothing is selected by an eager or multi-group planner.
+    /// are freed keeps them. Candidates carry their KV-cache group in their key, so a
+    /// multi-group planner stores each under its group. Nothing is selected by an eager
+    /// planner.
     pub fn offer_lazy(&mut self, candidates: impl IntoIterator<Item = LazyCandidate>) -> Vec<u32> {
-        if !self.cfg.lazy || self.groups.is_some() {
+        if !self.cfg.lazy {
             return Vec::new();
         }
         select_lazy(
