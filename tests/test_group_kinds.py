@@ -214,6 +214,43 @@ def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any, lazy
     assert stats["failed_loads"] == 0
 
 
+MP_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from vllm_harness import cpu_hit_tokens, engine, generate, offload_config, reset_gpu_prefix_cache
+
+if __name__ == "__main__":
+    prompts = json.loads({prompts!r})
+    with engine({model!r}, offload_config(), distributed_executor_backend="mp",
+                max_num_seqs=2) as llm:
+        first = generate(llm, prompts)
+        reset_gpu_prefix_cache(llm)
+        again = generate(llm, prompts)
+        hma_off = llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        print("RESULT", json.dumps({{"first": first, "again": again, "hma_off": hma_off,
+                                     "hits": cpu_hit_tokens(llm)}}))
+"""
+
+
+def test_windowed_model_in_multiprocess_mode(hybrid: Any) -> None:
+    """Default multiprocess mode: the per-group block tables, the planner's metadata and
+    the workers' reports cross process boundaries; the hybrid allocator stays on there
+    too (the frontend process decides it from the connector class)."""
+    import json
+
+    from vllm_harness import run_script
+
+    model, prompts, reference, _ = hybrid
+    script = MP_SCRIPT.format(
+        tests=str(Path(__file__).parent), prompts=json.dumps(prompts[:6]), model=str(model)
+    )
+    result = run_script(script, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert result["hma_off"] is False
+    assert result["first"] == reference[:6]
+    assert result["again"] == reference[:6]
+    assert result["hits"] > 0
+
+
 def test_windowed_model_reacts_to_its_cpu_blocks(hybrid: Any) -> None:
     """Guards the equality test: corrupting the CPU copies changes the output (for the
     sliding-only model, every loaded block is a sliding-window block)."""
