@@ -108,7 +108,10 @@ impl Planner {
         let mut hs = [BlockHash::default(); PROBE_CHUNK];
         let mut i = start.min(limit);
         'chunks: while i < limit {
-            let n = (limit - i).min(PROBE_CHUNK);
+            // The first block alone: most lookups that miss, miss there, and converting
+            // a chunk behind it would be wasted.
+            let chunk = if blocks.is_empty() { 1 } else { PROBE_CHUNK };
+            let n = (limit - i).min(chunk);
             r.hashes_into(hashes, i, &mut hs[..n]).map_err(bad)?;
             for h in &hs[..n] {
                 let Some(b) = self.cache.get_ready_near(&BlockKey::new(GROUP, *h), guess) else {
