@@ -71,7 +71,11 @@ class OffloadScheduler:
         self._requests: dict[str, Any] = {}
         self._finished: dict[str, Any] = {}
         self._lazy = config.lazy_offload
-        self._lazy_limit = LAZY_WATERMARK_STEPS * -(-max_num_batched_tokens // block_size)
+        step_blocks = -(-max_num_batched_tokens // block_size)
+        self._lazy_limit = LAZY_WATERMARK_STEPS * step_blocks
+        # Freed blocks are offered between steps only while the free queue is shorter
+        # than what one step's batch may allocate (see `_offer_freed`).
+        self._offer_below = step_blocks
         # Each request's own hash list, which vLLM extends (and, for streaming sessions,
         # truncates and regrows) in place; the planner reads it where it needs a hash
         # and checks it against what it read before.
@@ -203,11 +207,13 @@ class OffloadScheduler:
 
     def _offer_freed(self) -> None:
         # vLLM calls this after freeing the step's finished requests. Their blocks join
-        # the free queue at its tail; when the whole queue is within the watermark, the
-        # next step's allocations may evict them before its plan's walk sees them.
-        # Offered now, the chosen ones are held until their store retires.
+        # the free queue at its tail; when the whole queue is shorter than one step's
+        # batch, the next step's allocations may evict them before its plan's walk sees
+        # them. Offered now, the chosen ones are held until their store retires. (With
+        # the two-step watermark as the bound instead, the shared trace stored a fifth
+        # more blocks for the same recomputation.)
         walker = self._walker
-        if walker is None or walker.num_free() > self._lazy_limit:
+        if walker is None or walker.num_free() > self._offer_below:
             return
         ids, hashes = walker.candidates(self._lazy_limit)
         if not ids:
