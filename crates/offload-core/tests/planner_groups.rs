@@ -8,7 +8,7 @@ mod common;
 
 use common::planner::{chained, complete_on_every_rank, hashes, BS};
 use offload_core::{
-    BlockHash, GroupKind, KvEvent, PlanError, Planner, PlannerConfig, ScheduleKind,
+    BlockHash, BlockKey, GroupKind, KvEvent, PlanError, Planner, PlannerConfig, ScheduleKind,
     ScheduledGroups, StepPlan,
 };
 
@@ -312,4 +312,62 @@ fn one_full_attention_group_is_the_single_group_planner() {
     let store = plan.store.unwrap();
     assert_eq!(store.gpu_blocks, vec![1, 2]);
     assert!(store.groups.is_empty());
+}
+
+#[test]
+fn lazy_candidates_are_stored_under_their_own_group() {
+    let mut p = Planner::with_groups(
+        PlannerConfig::new(BS as u32, 64)
+            .with_lazy(true)
+            .with_events(true),
+        &HYBRID,
+    );
+    let h = chained(None, 0..2);
+    // A freed block of each group, offered when vLLM reports the step, and one more
+    // candidate of the sliding-window group in the next plan's walk.
+    let held = p.offer_lazy([(7, BlockKey::new(0, h[0])), (8, BlockKey::new(1, h[0]))]);
+    assert_eq!(held, vec![7, 8]);
+    let plan = p
+        .schedule_groups(
+            std::iter::empty::<Sched<'_>>(),
+            [(9, BlockKey::new(1, h[1]))],
+        )
+        .unwrap();
+    let store = plan.store.unwrap();
+    assert_eq!(store.gpu_blocks, vec![7, 8, 9]);
+    assert_eq!(store.groups, vec![0, 1, 1]);
+    complete_on_every_rank(&mut p, store.id);
+    assert_eq!(p.take_completions().released_gpu_blocks, vec![7, 8, 9]);
+    let stored: Vec<(u32, Vec<BlockHash>)> = p
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::Stored { group, hashes, .. } => Some((group, hashes)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        stored,
+        vec![(0, vec![h[0]]), (1, vec![h[0]]), (1, vec![h[1]])]
+    );
+}
+
+#[test]
+fn a_failed_load_drops_its_blocks_of_every_group() {
+    let mut p = hybrid(64, true);
+    let h = hashes(1, 5);
+    store_in_one_step(&mut p, "a", &h, 10, 30);
+    assert_eq!(p.lookup("b", &h, 5 * BS + 1, 0).unwrap(), 5 * BS);
+    let [f, s] = tables(6, 50, 70, 3);
+    p.on_alloc_groups("b", &[&f, &s], 0, 5 * BS).unwrap();
+    let plan = step(
+        &mut p,
+        [sched("b", ScheduleKind::New, 5 * BS, 1, &[&f, &s], &h)],
+    );
+    let load = &plan.loads[0];
+    p.complete(load.id, false).unwrap();
+    let errors = p.take_completions().load_error_blocks;
+    assert_eq!(errors, vec![50, 51, 52, 53, 54, 73, 74]);
+    // The same hit is not offered again (vLLM would ask for it forever).
+    assert_eq!(p.lookup("c", &h, 5 * BS + 1, 0).unwrap(), 0);
 }

@@ -508,8 +508,8 @@ pub(super) fn select_groups(
                 hash: r.hashes[i],
                 parent: i.checked_sub(1).map(|p| r.hashes[p]),
                 source: slot.and_then(|s| Some((u32::try_from(s).ok()?, u32::try_from(i).ok()?))),
-                group: group_id(g),
             });
+            pending.push_group(group_id(g));
             pending.gpu_blocks.push(gpu);
             if hold && *kind != GroupKind::FullAttention {
                 pending.held.push(gpu);

@@ -9,7 +9,7 @@ use crate::key::{BlockId, BuildKeyHasher};
 use crate::pool::BlockState;
 
 use super::request::{Report, Request};
-use super::select::StoreEntry;
+use super::select::{group_of, StoreEntry};
 use super::types::{StepPlan, StoreJob, TransferId};
 use super::{Planner, GROUP};
 
@@ -24,6 +24,8 @@ pub(super) enum JobKind {
     },
     Store {
         entries: Vec<StoreEntry>,
+        /// The entries' groups (see `select::group_of`).
+        groups: Vec<u32>,
         req_ids: Vec<(String, u64)>,
         /// GPU blocks the caller holds for this store (lazy candidates, or blocks a
         /// multi-group store reads that the server frees from running requests).
@@ -112,7 +114,9 @@ impl Planner {
                 Vec::new()
             },
             groups: if self.groups.is_some() {
-                pending.entries.iter().map(|e| e.group).collect()
+                (0..pending.entries.len())
+                    .map(|i| group_of(&pending.groups, i))
+                    .collect()
             } else {
                 Vec::new()
             },
@@ -128,6 +132,7 @@ impl Planner {
             Job::new(
                 JobKind::Store {
                     entries: pending.entries,
+                    groups: pending.groups,
                     req_ids: pending.req_ids,
                     held_gpu_blocks: job_held,
                 },
@@ -194,6 +199,7 @@ impl Planner {
             }
             JobKind::Store {
                 entries,
+                groups,
                 req_ids,
                 held_gpu_blocks,
             } => {
@@ -203,7 +209,7 @@ impl Planner {
                         let _ = self.cache.abort(e.block);
                     }
                 } else {
-                    self.publish(&entries);
+                    self.publish(&entries, &groups);
                 }
                 self.completions.released_gpu_blocks.extend(held_gpu_blocks);
                 if self.cfg.events {
@@ -222,12 +228,13 @@ impl Planner {
         Ok(())
     }
 
-    fn publish(&mut self, entries: &[StoreEntry]) {
+    fn publish(&mut self, entries: &[StoreEntry], groups: &[u32]) {
         let mut chain = StoredChain::new(GROUP, self.cfg.block_size);
-        for e in entries {
-            if e.group != chain.group() {
+        for (i, e) in entries.iter().enumerate() {
+            let group = group_of(groups, i);
+            if group != chain.group() {
                 chain.flush(self.cache.events_mut());
-                chain = StoredChain::new(e.group, self.cfg.block_size);
+                chain = StoredChain::new(group, self.cfg.block_size);
             }
             // A block detached by a reset while in flight is released, not published.
             let published = self.cache.pool().state(e.block) == Some(BlockState::Pending);

@@ -18,8 +18,6 @@ pub(super) struct StoreEntry {
     /// Where the block comes from: its request's index in the job's `req_ids` and its
     /// position in that request; `None` for a lazy candidate (no request).
     pub(super) source: Option<(u32, u32)>,
-    /// The block's KV-cache group.
-    pub(super) group: u32,
 }
 
 /// The store job being assembled for the next step.
@@ -34,12 +32,28 @@ pub(super) struct PendingStore {
     /// GPU blocks the caller must keep until the store retires (multi-group eager
     /// stores of blocks the server frees from running requests).
     pub(super) held: Vec<u32>,
+    /// The entries' KV-cache groups, see [`group_of`]: kept apart from the entries, and
+    /// empty while every group is 0, so a single-group store carries nothing more.
+    pub(super) groups: Vec<u32>,
 }
 
 impl PendingStore {
     pub(super) fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
+
+    /// Records the group of the entry just pushed.
+    pub(super) fn push_group(&mut self, group: u32) {
+        if group != 0 {
+            self.groups.resize(self.entries.len().saturating_sub(1), 0);
+            self.groups.push(group);
+        }
+    }
+}
+
+/// Entry `i`'s KV-cache group in a job's `groups` (entries past its end are group 0).
+pub(super) fn group_of(groups: &[u32], i: usize) -> u32 {
+    groups.get(i).copied().unwrap_or(0)
 }
 
 /// Selects `r`'s blocks `stored_upto..confirmed` that are neither on CPU nor in flight
@@ -78,7 +92,6 @@ pub(super) fn select_eager(
                     parent: i.checked_sub(1).map(|p| r.hashes[p]),
                     source: slot
                         .and_then(|s| Some((u32::try_from(s).ok()?, u32::try_from(i).ok()?))),
-                    group: GROUP,
                 });
                 pending.gpu_blocks.push(r.gpu_blocks[i]);
                 selected = true;
@@ -128,8 +141,8 @@ pub(super) fn select_lazy(
             hash: key.hash,
             parent: None,
             source: None,
-            group: key.group,
         });
+        pending.push_group(key.group);
         pending.gpu_blocks.push(gpu);
         pending.lazy = true;
         chosen.push(gpu);
