@@ -69,3 +69,60 @@ def test_kv_regions_cover_each_block_once(shape: tuple[int, ...], split: bool) -
 def test_kv_regions_reject_tensors_without_a_block_dimension() -> None:
     with pytest.raises(ValueError, match="block dimension"):
         kv_regions({"l": torch.zeros(3, 5)}, num_blocks=8)
+
+
+PAGE = 4096
+
+
+def kv_config(tensors: list[tuple[list[str], int, int, int]], groups: list[list[str]]) -> object:
+    """A ``KVCacheConfig`` of 8 blocks: ``tensors`` as ``(layers, layer_stride,
+    block_stride, offset)`` in one allocation, ``groups`` of full-attention layers with
+    ``PAGE``-byte pages."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=16, dtype=torch.float16)
+    assert spec.page_size_bytes == PAGE
+    return KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=8 * 2 * PAGE, layers=ls, layer_stride=lst, block_stride=bst, offset=off
+            )
+            for ls, lst, bst, off in tensors
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=g, kv_cache_spec=spec) for g in groups],
+    )
+
+
+@pytest.mark.parametrize(
+    ("tensors", "groups", "pages"),
+    [
+        # Hybrid allocator: each group's layer overlays the same bytes (a block id belongs
+        # to one group at a time), so a block id is one page, not one per group.
+        pytest.param(
+            [(["a"], 8 * PAGE, PAGE, 0), (["b"], 8 * PAGE, PAGE, 0)], [["a"], ["b"]], 1, id="hma"
+        ),
+        # Layer-outer: each layer its own region.
+        pytest.param([(["a", "b"], 8 * PAGE, PAGE, 0)], [["a", "b"]], 2, id="layer-outer"),
+        # Block-outer: one block of both layers' pages side by side.
+        pytest.param([(["a", "b"], PAGE, 2 * PAGE, 0)], [["a", "b"]], 2, id="block-outer"),
+        # Two groups of two layers, packed block-outer and overlaid.
+        pytest.param(
+            [(["a", "b"], PAGE, 2 * PAGE, 0), (["c", "d"], PAGE, 2 * PAGE, 0)],
+            [["a", "b"], ["c", "d"]],
+            2,
+            id="hma-packed",
+        ),
+    ],
+)
+def test_bytes_per_block_counts_each_byte_of_a_block_id_once(
+    tensors: list[tuple[list[str], int, int, int]], groups: list[list[str]], pages: int
+) -> None:
+    from kvoffload.vllm_adapter import bytes_per_block
+
+    assert bytes_per_block(kv_config(tensors, groups)) == pages * PAGE
