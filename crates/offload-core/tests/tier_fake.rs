@@ -57,13 +57,17 @@ fn a_stall_after_the_handshake_fails_every_key_at_the_deadline() {
             "{r:?}"
         );
     }
+    // After a timeout the connection is rebuilt; on a loaded machine the fake node may miss
+    // the handshake's deadline, which fails the call as surely as the stall does.
+    let failed_in_time = |r: Result<(), &TierError>, call: &str| {
+        matches!(r, Err(TierError::Timeout { op, .. }) if *op == call || *op == "connect")
+            || matches!(r, Err(TierError::Connect { .. }))
+    };
     for r in get.iter().map(|r| r.as_ref().map(|_| ())) {
-        assert!(
-            matches!(r, Err(TierError::Timeout { op: "get", .. })),
-            "{r:?}"
-        );
+        assert!(failed_in_time(r, "get"), "{r:?}");
     }
-    assert!(matches!(put[0], Err(TierError::Timeout { op: "put", .. })));
+    let put = put[0].as_ref().map(|_| ());
+    assert!(failed_in_time(put, "put"), "{put:?}");
 }
 
 #[test]
@@ -80,7 +84,10 @@ fn a_stalled_store_is_a_miss_for_the_tier() {
         t.stats().snapshot()
     });
     assert_eq!(stats.failed_keys, 16);
-    assert_eq!(stats.timeouts, 16);
+    // The probe's keys miss their deadline. The fetch that follows reconnects first, and on
+    // a loaded machine the fake node may not answer the handshake in time: its keys fail
+    // either way, as a timeout or as a connection error.
+    assert!((8..=16).contains(&stats.timeouts), "{stats:?}");
 }
 
 #[test]

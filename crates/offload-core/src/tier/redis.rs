@@ -128,9 +128,20 @@ impl RedisStore {
                 op: "connect",
                 timeout_ms: millis(self.timeout),
             })?
-            .map_err(|e| TierError::Connect {
-                url: self.seeds.clone(),
-                reason: scrub(&e.to_string(), &self.secrets),
+            .map_err(|e| {
+                // The client gives up on a slow node at its own connection timeout, before
+                // the call's deadline: that is a timeout as much as the deadline is.
+                if e.is_timeout() {
+                    TierError::Timeout {
+                        op: "connect",
+                        timeout_ms: millis(self.timeout),
+                    }
+                } else {
+                    TierError::Connect {
+                        url: self.seeds.clone(),
+                        reason: scrub(&e.to_string(), &self.secrets),
+                    }
+                }
             })?;
         self.conn = Some(conn.clone());
         Ok(conn)
