@@ -65,7 +65,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
-        self._num_groups = 1
+        #: Every KV-cache group's index: what a load fills (asked for every async load).
+        self._group_ids: tuple[int, ...] = (0,)
         try:
             config, warnings = parse_config(extra_config(vllm_config), world_size(vllm_config))
         except ConfigError as e:
@@ -94,7 +95,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             )
             logger.error(msg)
             raise ConfigError(msg)
-        self._num_groups = num_kv_groups(kv_cache_config)
+        self._group_ids = tuple(range(num_kv_groups(kv_cache_config)))
         if len(set(kv_group_block_sizes(kv_cache_config))) > 1:
             msg = (
                 f"KVOffloadConnector cannot offload model {model_name(vllm_config)}: its "
@@ -172,8 +173,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return requested_kv_cache_layout(config.kv_cache_layout)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        # A load fills every group's blocks of the hit; vLLM asks for every async load.
-        return tuple(range(self._num_groups))
+        # A load fills every group's blocks of the hit.
+        return self._group_ids
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -257,7 +258,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.request_finished(request), None
 
     def take_events(self) -> list[Any]:
-        return self._scheduler.take_events() if self._scheduler is not None else []
+        # Asked after every step: without KV events there is nothing to take.
+        scheduler = self._scheduler
+        if scheduler is None or scheduler.event_log is None:
+            return []
+        return scheduler.take_events()
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None

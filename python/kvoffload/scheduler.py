@@ -213,7 +213,7 @@ class OffloadScheduler:
         # the two-step watermark as the bound instead, the shared trace stored a fifth
         # more blocks for the same recomputation.)
         walker = self._walker
-        if walker is None or walker.num_free() > self._offer_below:
+        if walker is None or walker.queue.num_free_blocks > self._offer_below:
             return
         ids, hashes = walker.candidates(self._lazy_limit)
         if not ids:

@@ -157,6 +157,15 @@ class KVOffloadStats(KVConnectorStats):
             for part in (COUNTERS, GAUGES, TIMES):
                 data.setdefault(part, {})
 
+    @classmethod
+    def of(
+        cls, counters: dict[str, int], gauges: dict[str, int], times: dict[str, list[float]]
+    ) -> KVOffloadStats:
+        """A complete payload, without the checks of a partial one (built every step)."""
+        stats = cls.__new__(cls)
+        stats.data = {COUNTERS: counters, GAUGES: gauges, TIMES: times}
+        return stats
+
     def reset(self) -> None:
         self.data = _empty()
 
@@ -181,7 +190,8 @@ class KVOffloadStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[p] for p in (COUNTERS, GAUGES, TIMES))
+        data = self.data
+        return not (data[COUNTERS] or data[GAUGES] or data[TIMES])
 
 
 #: vLLM asks for connector stats after every step and never while idle, so a report held
@@ -231,18 +241,16 @@ class CounterDeltas:
     ) -> KVOffloadStats | None:
         """Like :meth:`delta`, from counter increases computed by the caller."""
         # Called after every engine step: nothing is built unless something changed.
-        last = self._gauges
         changed: dict[str, int] = {}
         if gauges:
+            last = self._gauges
             for n, v in gauges.items():
                 if last.get(n) != v:
-                    changed[n] = v
+                    changed[n] = last[n] = v
         new_times = {n: v for n, v in times.items() if v} if times else {}
         if not deltas and not changed and not new_times:
             return None
-        if changed:
-            last.update(changed)
-        return KVOffloadStats(data={COUNTERS: dict(deltas), GAUGES: changed, TIMES: new_times})
+        return KVOffloadStats.of(dict(deltas), changed, new_times)
 
 
 class KVOffloadPromMetrics(KVConnectorPromMetrics):

@@ -361,11 +361,12 @@ class FreeQueueWalker:
     def __init__(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
         self._holder = GpuBlockHolder(gpu_block_pool)
-        self._queue = gpu_block_pool.free_block_queue
-        self._head = self._queue.fake_free_list_head
-        self._tail = self._queue.fake_free_list_tail
+        #: vLLM's free block queue (``num_free_blocks``: its length).
+        self.queue = gpu_block_pool.free_block_queue
+        self._head = self.queue.fake_free_list_head
+        self._tail = self.queue.fake_free_list_tail
         self._cursor: Any = None
-        self._follow_removals(self._queue)
+        self._follow_removals(self.queue)
 
     def _follow_removals(self, queue: Any) -> None:
         remove, popleft, popleft_n = queue.remove, queue.popleft, queue.popleft_n
@@ -399,11 +400,14 @@ class FreeQueueWalker:
     def candidates(self, limit: int) -> tuple[list[int], list[bytes]]:
         """Examines up to ``limit`` blocks not examined during their current stay in the
         queue; returns the ids and hashes (with vLLM's group id) of those with a hash."""
-        ids: list[int] = []
-        hashes: list[bytes] = []
         cursor = self._cursor
         node = self._head.next_free_block if cursor is None else cursor.next_free_block
         tail = self._tail
+        ids: list[int] = []
+        hashes: list[bytes] = []
+        if node is tail:
+            # Most calls: nothing joined the queue since the previous walk.
+            return ids, hashes
         seen = 0
         while node is not None and node is not tail and seen < limit:
             h = node._block_hash
@@ -415,10 +419,6 @@ class FreeQueueWalker:
             seen += 1
         self._cursor = cursor
         return ids, hashes
-
-    def num_free(self) -> int:
-        """Blocks in the free queue."""
-        return self._queue.num_free_blocks
 
     def hold(self, block_ids: Sequence[int]) -> None:
         """Keeps blocks out of reuse while a copy reads them."""
