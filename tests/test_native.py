@@ -130,6 +130,58 @@ def test_planner_round_trip_through_python() -> None:
     assert stats["stored_blocks"] == 4
 
 
+class _Block:
+    """A vLLM ``KVCacheBlock`` stand-in whose id may only be read inside the load."""
+
+    def __init__(self, block_id: int, readable: bool) -> None:
+        self._id, self._readable = block_id, readable
+
+    @property
+    def block_id(self) -> int:
+        if not self._readable:
+            raise AssertionError(f"block {self._id} is outside the load and was read")
+        return self._id
+
+
+def test_on_alloc_blocks_reads_only_the_blocks_the_load_fills() -> None:
+    p = _native.Planner(16, 64)
+    hashes = [bytes([i]) * 32 for i in range(1, 6)]
+    p.lookup("a", hashes, 81, 0)
+    p.on_alloc("a", [10, 11, 12, 13, 14, 15], 0, 0)
+    p.schedule(["a"], [0], [([10, 11, 12, 13, 14, 15],)], [], [], [], set(), {"a": hashes})
+    _, store, _, _, _ = p.schedule([], [], [], ["a"], [80], [None], set(), {"a": hashes})
+    assert store is not None
+    p.request_finished("a", hashes, 81)
+    p.complete([store[0]], [True])
+    # Blocks 0-1 are a GPU hit; the CPU hit of blocks 2-4 is loaded into 22-24 only.
+    assert p.lookup("b", hashes, 81, 32) == 48
+    table = [_Block(20 + i, readable=2 <= i < 5) for i in range(6)]
+    p.on_alloc_blocks("b", table, 32, 48)
+    loads, _, _, _, _ = p.schedule(["b"], [32], [None], [], [], [], set(), {"b": hashes})
+    assert [(gpu, valid) for _, _, gpu, _, valid, _ in loads] == [(ids(22, 23, 24), True)]
+
+
+def test_on_alloc_blocks_with_a_table_short_of_the_hit_fails_the_load() -> None:
+    p = _native.Planner(16, 64)
+    hashes = [bytes([i]) * 32 for i in range(1, 4)]
+    p.lookup("a", hashes, 49, 0)
+    p.on_alloc("a", [10, 11, 12, 13], 0, 0)
+    p.schedule(["a"], [0], [([10, 11, 12, 13],)], [], [], [], set(), {"a": hashes})
+    _, store, _, _, _ = p.schedule([], [], [], ["a"], [48], [None], set(), {"a": hashes})
+    p.request_finished("a", hashes, 49)
+    p.complete([store[0]], [True])
+    assert p.lookup("b", hashes, 49, 0) == 48
+    p.on_alloc_blocks("b", [_Block(20, True), _Block(21, True)], 0, 48)
+    loads, _, _, _, _ = p.schedule(["b"], [0], [None], [], [], [], set(), {"b": hashes})
+    assert [(gpu, valid) for _, _, gpu, _, valid, _ in loads] == [(ids(20, 21), False)]
+
+
+def test_on_alloc_blocks_is_refused_by_a_planner_of_kv_cache_groups() -> None:
+    p = _native.Planner(16, 64, groups=[("full_attention", None), ("sliding_window", 32)])
+    with pytest.raises(kvoffload.InvalidInputError, match="every group"):
+        p.on_alloc_blocks("a", [], 0, 16)
+
+
 def test_planner_stats_delta_reports_each_increase_once() -> None:
     p = _native.Planner(16, 64)
     assert p.reads_scheduled_requests

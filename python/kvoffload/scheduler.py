@@ -12,8 +12,8 @@ from kvoffload.vllm_adapter import (
     EventSpec,
     FreeQueueWalker,
     GpuBlockHolder,
-    allocated_block_ids,
     allocated_block_ids_per_group,
+    allocated_blocks,
     logger,
     preempted_ids,
     scheduled_lists,
@@ -153,7 +153,13 @@ class OffloadScheduler:
         elif self._multi_group:
             gpu = allocated_block_ids_per_group(blocks)
         else:
-            gpu = allocated_block_ids(blocks)
+            self._planner.on_alloc_blocks(
+                request.request_id,
+                allocated_blocks(blocks),
+                request.num_computed_tokens,
+                num_external_tokens,
+            )
+            return
         self._planner.on_alloc(
             request.request_id, gpu, request.num_computed_tokens, num_external_tokens
         )

@@ -313,9 +313,10 @@ def preempted_ids(scheduler_output: Any) -> list[str]:
     return list(preempted) if preempted else []
 
 
-def allocated_block_ids(blocks: Any) -> list[int]:
-    """GPU block ids of a ``KVCacheBlocks`` (group 0), from token 0."""
-    return blocks.get_block_ids()[0]
+def allocated_blocks(blocks: Any) -> list[Any]:
+    """The ``KVCacheBlock`` list of a ``KVCacheBlocks`` (group 0), from token 0: the
+    planner reads the ``block_id`` of the few it loads into."""
+    return blocks.blocks[0]
 
 
 def allocated_block_ids_per_group(blocks: Any) -> tuple[list[int], ...]:

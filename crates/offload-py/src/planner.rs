@@ -8,6 +8,7 @@ use offload_core::{
     BlockHash, BlockKey, GroupKind, KvEvent, LazyCandidate, LookupOutcome, Planner, PlannerConfig,
     PlannerStats, ScheduleKind, ScheduledGroups, ScheduledRequest, StepPlan,
 };
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PyString, PyTuple};
 
@@ -234,6 +235,34 @@ impl PyPlanner {
         let ids = block_ids(gpu_block_ids, "gpu_block_ids")?;
         self.inner
             .on_alloc(req_id, &ids, nct, ext)
+            .map_err(plan_err)
+    }
+
+    /// `on_alloc` for a planner of one full-attention group, given vLLM's allocated
+    /// blocks of group 0 (a sequence of objects with a `block_id`): only the blocks the load
+    /// fills are read, not the whole table (a long prompt's GPU hit included).
+    fn on_alloc_blocks(
+        &mut self,
+        req_id: &str,
+        blocks: &Bound<'_, PyAny>,
+        num_computed_tokens: i64,
+        num_external_tokens: i64,
+    ) -> PyResult<()> {
+        let nct = count(num_computed_tokens, "num_computed_tokens")?;
+        let ext = count(num_external_tokens, "num_external_tokens")?;
+        let window = self.inner.alloc_window(req_id, nct, ext).ok_or_else(|| {
+            INVALID_INPUT_ERROR.err(
+                "on_alloc_blocks: this planner has KV-cache groups; pass every group's block \
+                 ids to on_alloc",
+            )
+        })?;
+        let end = window.end.min(blocks.len()?);
+        let name = intern!(blocks.py(), "block_id");
+        let ids = (window.start..end)
+            .map(|i| block_id(&blocks.get_item(i)?.getattr(name)?, "blocks"))
+            .collect::<PyResult<Vec<u32>>>()?;
+        self.inner
+            .on_alloc_window(req_id, &ids, ext)
             .map_err(plan_err)
     }
 

@@ -167,6 +167,46 @@ impl Planner {
                 num_external_tokens,
             );
         }
+        let window = self
+            .alloc_window(req, num_computed_tokens, num_external_tokens)
+            .map_or(&[][..], |w| {
+                let end = w.end.min(gpu_blocks.len());
+                gpu_blocks.get(w.start..end).unwrap_or_default()
+            });
+        self.on_alloc_window(req, window, num_external_tokens)
+    }
+
+    /// The positions of the block table vLLM allocated for `req` that a load of
+    /// `num_external_tokens` fills, the only ones [`Self::on_alloc`] reads (from the
+    /// pinned hit's first block, else `num_computed_tokens`' block). `None` for planners
+    /// with KV-cache groups, which read every group's table.
+    pub fn alloc_window(
+        &self,
+        req: &str,
+        num_computed_tokens: usize,
+        num_external_tokens: usize,
+    ) -> Option<std::ops::Range<usize>> {
+        if self.groups.is_some() {
+            return None;
+        }
+        let bs = self.block_size();
+        let start = self
+            .requests
+            .get(req)
+            .and_then(|r| r.hit.as_ref())
+            .map_or(num_computed_tokens / bs, |h| h.start);
+        Some(start..start + num_external_tokens.div_ceil(bs))
+    }
+
+    /// [`Self::on_alloc`] given only the table's ids at [`Self::alloc_window`] (cut
+    /// short where the table ends: the load is then reported failed), so a caller
+    /// converting vLLM's blocks reads the window alone.
+    pub fn on_alloc_window(
+        &mut self,
+        req: &str,
+        window: &[u32],
+        num_external_tokens: usize,
+    ) -> Result<(), PlanError> {
         let bs = self.block_size();
         self.remote_allocated(req);
         if num_external_tokens == 0 {
@@ -180,19 +220,9 @@ impl Planner {
             .get_mut(req)
             .ok_or_else(|| PlanError::UnknownRequest(req.to_string()))?;
         let k = num_external_tokens.div_ceil(bs);
-        let (mut hit, start) = match r.hit.take() {
-            Some(hit) => {
-                let start = hit.start;
-                (hit, start)
-            }
-            None => (Hit::default(), num_computed_tokens / bs),
-        };
-        let valid =
-            num_external_tokens % bs == 0 && k <= hit.blocks.len() && start + k <= gpu_blocks.len();
-        let gpu = gpu_blocks
-            .get(start..(start + k).min(gpu_blocks.len()))
-            .unwrap_or_default()
-            .to_vec();
+        let mut hit = r.hit.take().unwrap_or_default();
+        let valid = num_external_tokens % bs == 0 && k <= hit.blocks.len() && window.len() == k;
+        let gpu = window.to_vec();
         let blocks = if valid {
             for b in hit.blocks.drain(k..) {
                 let _ = self.cache.unpin(b);
