@@ -212,6 +212,8 @@ class CounterDeltas:
         self._next = 0.0
 
     def due(self) -> bool:
+        if not self._interval:
+            return True
         now = time.monotonic()
         if now < self._next:
             return False

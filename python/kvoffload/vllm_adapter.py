@@ -294,10 +294,16 @@ def scheduled_lists(scheduler_output: Any) -> tuple[Any, ...]:
     if resumed is None:  # vLLM < 0.11 spelled it as a per-request flag list
         flags = getattr(cached, "resumed_from_preemption", ())
         resumed = {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
+    if new:
+        new_lists = (
+            [r.req_id for r in new],
+            [r.num_computed_tokens for r in new],
+            [r.block_ids for r in new],
+        )
+    else:  # most steps admit no request
+        new_lists = ([], [], [])
     return (
-        [r.req_id for r in new],
-        [r.num_computed_tokens for r in new],
-        [r.block_ids for r in new],
+        *new_lists,
         cached.req_ids,
         cached.num_computed_tokens,
         cached.new_block_ids,
