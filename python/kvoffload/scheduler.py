@@ -218,8 +218,16 @@ class OffloadScheduler:
         # them. Offered now, the chosen ones are held until their store retires. (With
         # the two-step watermark as the bound instead, the shared trace stored a fifth
         # more blocks for the same recomputation.)
+        # With no unfinished request left, vLLM may not step again (an offline engine
+        # stops when generate returns): an offered store would hold its GPU blocks and
+        # stay pending until the next request. Those blocks are walked in that request's
+        # first step instead.
         walker = self._walker
-        if walker is None or walker.queue.num_free_blocks > self._offer_below:
+        if (
+            walker is None
+            or not self._hash_lists
+            or walker.queue.num_free_blocks > self._offer_below
+        ):
             return
         ids, hashes = walker.candidates(self._lazy_limit)
         if not ids:
