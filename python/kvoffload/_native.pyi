@@ -121,6 +121,15 @@ class Planner:
     ) -> None:
         """``gpu_block_ids``: group 0's ids, or a tuple of one list per KV-cache group
         (vLLM's ``KVCacheBlocks.get_block_ids()``)."""
+    def on_alloc_blocks(
+        self,
+        req_id: str,
+        blocks: Sequence[Any],
+        num_computed_tokens: int,
+        num_external_tokens: int,
+    ) -> None:
+        """``on_alloc`` for one full-attention group, given vLLM's allocated blocks of
+        group 0 (objects with a ``block_id``): only the blocks the load fills are read."""
     def schedule(
         self,
         new_req_ids: list[str],
