@@ -479,14 +479,7 @@ pub(super) fn select_groups(
     stats: &mut PlannerStats,
 ) -> bool {
     let confirmed = confirmed.min(r.hashes.len());
-    let slot = if r.queued {
-        pending
-            .req_ids
-            .iter()
-            .position(|(q, s)| q == req && *s == r.serial)
-    } else {
-        Some(pending.req_ids.len())
-    };
+    let slot = pending.slot(req, r.serial, r.queued);
     let mut selected = false;
     r.groups.resize_with(kinds.len(), GroupBlocks::default);
     for (g, (kind, gb)) in kinds.iter().zip(r.groups.iter_mut()).enumerate() {

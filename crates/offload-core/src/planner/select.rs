@@ -38,6 +38,18 @@ pub(super) struct PendingStore {
 }
 
 impl PendingStore {
+    /// The request's index in `req_ids`: where it is if already queued, or where it will
+    /// be pushed. `None` if a queued request is missing (a broken invariant, not input).
+    pub(super) fn slot(&self, req: &str, serial: u64, queued: bool) -> Option<usize> {
+        if queued {
+            self.req_ids
+                .iter()
+                .position(|(q, s)| q == req && *s == serial)
+        } else {
+            Some(self.req_ids.len())
+        }
+    }
+
     pub(super) fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
@@ -72,15 +84,7 @@ pub(super) fn select_eager(
         return r.queued;
     }
     let mut selected = false;
-    // The request's index in the job's `req_ids`: where it is, or where it will be pushed.
-    let slot = if r.queued {
-        pending
-            .req_ids
-            .iter()
-            .position(|(q, s)| q == req && *s == r.serial)
-    } else {
-        Some(pending.req_ids.len())
-    };
+    let slot = pending.slot(req, r.serial, r.queued);
     for i in r.stored_upto..confirmed {
         let key = BlockKey::new(GROUP, r.hashes[i]);
         match cache.reserve_key(key) {
