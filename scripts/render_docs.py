@@ -561,6 +561,33 @@ def kv_layouts_table() -> str:
     )
 
 
+Cells = Callable[[Callable[[dict[str, Any]], str]], str]
+
+
+def ttft_rows(cells: Cells, base: dict[str, Any]) -> list[str]:
+    """Mean TTFT (with how much lower than ``base``) and p50 / p90 rows of a TTFT table."""
+
+    def lower(r: dict[str, Any]) -> str:
+        return "" if r is base else f" ({ratio(base['ttft_mean_ms'] / r['ttft_mean_ms'])} lower)"
+
+    return [
+        "| mean time to first token | "
+        + cells(lambda r: f"{r['ttft_mean_ms']:,.0f} ms{lower(r)}")
+        + " |",
+        "| time to first token, p50 / p90 | "
+        + cells(lambda r: f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p90_ms']:,.0f} ms")
+        + " |",
+    ]
+
+
+def identical_row(cells: Cells, base: dict[str, Any]) -> str:
+    return (
+        "| outputs token-identical to vLLM alone | "
+        + cells(lambda r: "—" if r is base else ("yes" if r["identical"] else "NO"))
+        + " |"
+    )
+
+
 @region("e2e")
 def e2e_table() -> str:
     d = load_json("benchmarks/e2e.json")
@@ -580,30 +607,17 @@ def e2e_table() -> str:
     def cells(f: Callable[[dict[str, Any]], str]) -> str:
         return " | ".join(f(res[c]) for c in cfgs)
 
-    def vs(key: str, r: dict[str, Any], lower: bool) -> str:
-        if r is base:
-            return ""
-        if lower:
-            return f" ({ratio(base[key] / r[key])} lower)"
-        return f" ({ratio(r[key] / base[key])})"
+    def speedup(r: dict[str, Any]) -> str:
+        return "" if r is base else f" ({ratio(r['output_tok_s'] / base['output_tok_s'])})"
 
+    rows += ttft_rows(cells, base)
     rows += [
-        "| mean time to first token | "
-        + cells(lambda r: f"{r['ttft_mean_ms']:,.0f} ms{vs('ttft_mean_ms', r, True)}")
-        + " |",
-        "| time to first token, p50 / p90 | "
-        + cells(lambda r: f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p90_ms']:,.0f} ms")
-        + " |",
-        "| output tokens/s | "
-        + cells(lambda r: f"{r['output_tok_s']:,.1f}{vs('output_tok_s', r, False)}")
-        + " |",
+        "| output tokens/s | " + cells(lambda r: f"{r['output_tok_s']:,.1f}{speedup(r)}") + " |",
         "| wall time | " + cells(lambda r: f"{r['wall_s']:.1f} s") + " |",
         "| prompt tokens from CPU / recomputed | "
         + cells(lambda r: f"{r['cpu_hit_tokens']:,.0f} / {r['recomputed_tokens']:,.0f}")
         + " |",
-        "| outputs token-identical to vLLM alone | "
-        + cells(lambda r: "—" if r is base else ("yes" if r["identical"] else "NO"))
-        + " |",
+        identical_row(cells, base),
     ]
     n = p["repeat"]
     how = (
@@ -633,22 +647,12 @@ def remote_tier_table() -> str:
     def cells(fmt: Callable[[dict[str, Any]], str]) -> str:
         return " | ".join(fmt(res[k]) for k, _ in cols)
 
-    def lower(r: dict[str, Any]) -> str:
-        return "" if r is base else f" ({ratio(base['ttft_mean_ms'] / r['ttft_mean_ms'])} lower)"
-
+    rows += ttft_rows(cells, base)
     rows += [
-        "| mean time to first token | "
-        + cells(lambda r: f"{r['ttft_mean_ms']:,.0f} ms{lower(r)}")
-        + " |",
-        "| time to first token, p50 / p90 | "
-        + cells(lambda r: f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p90_ms']:,.0f} ms")
-        + " |",
         "| prompt tokens from kvoffload / recomputed | "
         + cells(lambda r: f"{r['connector_hit_tokens']:,} / {r['recomputed_tokens']:,}")
         + " |",
-        "| outputs token-identical to vLLM alone | "
-        + cells(lambda r: "—" if r is base else ("yes" if r["identical"] else "NO"))
-        + " |",
+        identical_row(cells, base),
     ]
     prompt = p["system_tokens"] + p["question_tokens"]
     # Recomputation's cost per prompt token, and the bandwidth a fetch needs to beat it.
