@@ -118,20 +118,6 @@ def test_hybrid_groups_through_a_real_scheduler(model: Path) -> None:
     h.assert_idle()
 
 
-def sliding_window_llama(tiny: Path, path: Path, layer_types: list[str]) -> Path:
-    """The tiny Llama (same weights) with 256-token (2-block) sliding-window layers where
-    ``layer_types`` says ``sliding_attention``."""
-    import json
-    import shutil
-
-    shutil.copytree(tiny, path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["layer_types"] = layer_types
-    cfg["sliding_window"] = 256
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
-
-
 #: Eight 900-token system prompts (7 blocks) cycling through requests admitted two at a
 #: time: the 64-block GPU cache evicts a prompt before it comes back.
 HYBRID_PROMPTS_ARGS = {"n_requests": 16, "n_systems": 8, "system_tokens": 900}
@@ -150,7 +136,7 @@ def hybrid(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: 
     """A windowed tiny model (a Llama with ``layer_types``, or a Gemma-3 text model with
     one sliding and one full layer) and its outputs without kvoffload (vLLM's hybrid
     allocator on), computed twice to show they are deterministic."""
-    from tiny_model import build_tiny_gemma3
+    from tiny_model import build_sliding_window_llama, build_tiny_gemma3
     from vllm_harness import engine, generate, shared_prefix_prompts
 
     path = tmp_path_factory.mktemp("hybrid") / "m"
@@ -159,7 +145,7 @@ def hybrid(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: 
         layer_types = ["sliding_attention", "full_attention"]
         model = build_tiny_gemma3(path, tiny_model)
     else:
-        model = sliding_window_llama(tiny_model, path, layer_types)
+        model = build_sliding_window_llama(tiny_model, path, layer_types)
     prompts = shared_prefix_prompts(**HYBRID_PROMPTS_ARGS)
     with engine(model, **HYBRID_ENGINE_ARGS) as llm:
         reference = generate(llm, prompts)

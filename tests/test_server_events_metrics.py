@@ -1,10 +1,11 @@
 """vLLM's OpenAI server with kvoffload: the KV events a router reads and the /metrics series.
 
-One server (default multiprocess mode, loopback only) runs a workload that overflows the
-GPU cache and the CPU pool, then comes back to an early prompt, so blocks are stored,
-loaded and evicted on CPU. The events are read back through vLLM's own ZMQ replay socket
-(every batch since the start, so a subscriber joining late misses nothing) and decoded as
-vLLM's ``KVEventBatch``.
+One server per model (default multiprocess mode, loopback only): the tiny Llama, and the
+same Llama with a sliding-window layer, whose two KV-cache groups vLLM's hybrid allocator
+keeps. Each runs a workload that overflows the GPU cache and the CPU pool, then comes back
+to an early prompt, so blocks are stored, loaded and evicted on CPU. The events are read
+back through vLLM's own ZMQ replay socket (every batch since the start, so a subscriber
+joining late misses nothing) and decoded as vLLM's ``KVEventBatch``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, base: str, replay: str, log: Path) -> None:
+    def __init__(self, model: Path, base: str, replay: str, log: Path) -> None:
+        self.model = model
         self.base = base
         self.replay = replay
         self.log = log
@@ -89,8 +91,24 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # engine processes left behind, if any
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(None, id="dense"),
+        pytest.param(["sliding_attention", "full_attention"], id="sliding+full"),
+    ],
+)
+def server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: Any
+) -> Iterator[Server]:
+    """The server on the tiny Llama, or on the same Llama with a sliding-window layer
+    (vLLM's hybrid allocator on: two KV-cache groups, events per group)."""
+    from tiny_model import build_sliding_window_llama
+
+    model = tiny_model
+    if request.param is not None:
+        path = tmp_path_factory.mktemp("sliding") / "m"
+        model = build_sliding_window_llama(tiny_model, path, request.param)
     port, events_port, replay_port = free_port(), free_port(), free_port()
     kv_transfer = offload_config(cpu_bytes_to_use=2 * KV_CACHE_BYTES)
     kv_events = {
@@ -104,7 +122,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(tiny_model),
+        str(model),
         "--host",
         "127.0.0.1",
         "--port",
@@ -134,7 +152,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         )
         try:
             wait_healthy(proc, base, log)
-            srv = Server(base, f"tcp://127.0.0.1:{replay_port}", log)
+            srv = Server(model, base, f"tcp://127.0.0.1:{replay_port}", log)
             prompts = shared_prefix_prompts(
                 NUM_PROMPTS, NUM_PROMPTS, system_tokens=5 * BLOCK_TOKENS, tail_tokens=8
             )
@@ -174,7 +192,8 @@ def replay_events(endpoint: str) -> list[Any]:
 
 def test_cpu_events_name_blocks_vllm_published_for_the_gpu(server: Server) -> None:
     events = replay_events(server.replay)
-    gpu: dict[Any, list[int]] = {}
+    gpu: dict[tuple[int, Any], list[int]] = {}
+    gpu_kinds: dict[int, str] = {}
     cpu_stored: list[Any] = []
     cpu_removed: list[Any] = []
     for e in events:
@@ -182,8 +201,9 @@ def test_cpu_events_name_blocks_vllm_published_for_the_gpu(server: Server) -> No
         if type(e).__name__ == "BlockStored":
             if medium == "GPU":
                 bs = e.block_size
+                gpu_kinds[e.group_idx] = e.kv_cache_spec_kind
                 for i, h in enumerate(e.block_hashes):
-                    gpu[h] = e.token_ids[i * bs : (i + 1) * bs]
+                    gpu[(e.group_idx, h)] = e.token_ids[i * bs : (i + 1) * bs]
             elif medium == "CPU":
                 cpu_stored.append(e)
         elif type(e).__name__ == "BlockRemoved" and medium == "CPU":
@@ -191,20 +211,30 @@ def test_cpu_events_name_blocks_vllm_published_for_the_gpu(server: Server) -> No
     assert gpu, "vLLM published no GPU block"
     assert cpu_stored, "kvoffload published no CPU block"
     assert cpu_removed, "the CPU pool evicted nothing"
-    stored_hashes = set()
+    # One token block has one hash in every group. vLLM publishes a sliding-window group's
+    # blocks only while they are inside the window; kvoffload keeps the earlier ones too (a
+    # prompt that diverges sooner still hits them), under the hash vLLM gave that block.
+    by_hash = {h: tokens for (_, h), tokens in gpu.items()}
+    stored: set[tuple[int, Any]] = set()
     for e in cpu_stored:
-        assert e.group_idx == 0
-        assert e.kv_cache_spec_kind == "full_attention"
+        kind = gpu_kinds[e.group_idx]
+        assert e.kv_cache_spec_kind == kind
         assert e.block_size == BLOCK_TOKENS
         bs = e.block_size
         for i, h in enumerate(e.block_hashes):
-            assert h in gpu, f"CPU block {h!r} was never published for the GPU"
-            assert e.token_ids[i * bs : (i + 1) * bs] == gpu[h]
-            stored_hashes.add(h)
+            key = (e.group_idx, h)
+            assert h in by_hash, f"CPU block {key!r} was never published for the GPU"
+            if kind != "sliding_window":
+                assert key in gpu, f"CPU block {key!r} was never published for its group"
+            assert e.token_ids[i * bs : (i + 1) * bs] == by_hash[h]
+            stored.add(key)
         if e.parent_block_hash is not None:
-            assert e.parent_block_hash in gpu
-    removed = {h for e in cpu_removed for h in e.block_hashes}
-    assert removed <= stored_hashes
+            assert e.parent_block_hash in by_hash
+    # Every group of the model has blocks on CPU: a hybrid model's sliding-window group
+    # too, under the group index and kind vLLM publishes it with.
+    assert {g for g, _ in stored} == set(gpu_kinds)
+    removed = {(e.group_idx, h) for e in cpu_removed for h in e.block_hashes}
+    assert removed <= stored
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -252,9 +282,7 @@ def test_metrics_show_offload_series(server: Server) -> None:
     assert metric(text, "vllm:prompt_tokens_cached_by_source_total", source="host") == hits
 
 
-def test_concurrent_completions_match_vllm_without_kvoffload(
-    server: Server, tiny_model: Path
-) -> None:
+def test_concurrent_completions_match_vllm_without_kvoffload(server: Server) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from vllm import SamplingParams
@@ -268,7 +296,7 @@ def test_concurrent_completions_match_vllm_without_kvoffload(
     with ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p: server.complete(p, 16)["choices"][0]["text"], prompts))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with engine(tiny_model) as llm:
+    with engine(server.model) as llm:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
         expected = [o.outputs[0].text for o in outs]
     assert got == expected

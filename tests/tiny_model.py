@@ -138,6 +138,21 @@ def _build(path: Path, seed: int, shape: dict[str, float]) -> None:
     fast.save_pretrained(path)
 
 
+def build_sliding_window_llama(tiny: Path, path: str | Path, layer_types: list[str]) -> Path:
+    """The tiny Llama at ``tiny`` (same weights) with 256-token (2-block) sliding-window
+    layers where ``layer_types`` says ``sliding_attention``."""
+    import json
+    import shutil
+
+    path = Path(path)
+    shutil.copytree(tiny, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["layer_types"] = layer_types
+    cfg["sliding_window"] = 256
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 def build_tiny_gemma3(path: str | Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     """Create (once) a random-weight Gemma-3 text model at ``path``: one 256-token
     sliding-window layer and one full-attention layer, the tiny Llama's tokenizer."""
