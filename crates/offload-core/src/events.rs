@@ -116,12 +116,12 @@ impl StoredChain {
         }
     }
 
-    /// Emits the chain being built.
     /// The group whose blocks this chain collects.
     pub(crate) fn group(&self) -> u32 {
         self.group
     }
 
+    /// Emits the chain being built.
     pub(crate) fn flush(&mut self, out: &mut EventBuffer) {
         if let Some((hashes, parent)) = self.current.take() {
             out.push(KvEvent::Stored {
