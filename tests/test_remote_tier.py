@@ -47,14 +47,15 @@ WRITER = textwrap.dedent(
 
 #: Each phase is a fresh engine with an empty CPU pool: ``ns`` (namespace), ``extra``
 #: (more config keys), ``kill`` (pid files: those masters are killed after the first half
-#: of the prompts is served).
+#: of the prompts is served), ``events`` (KV events on: the CPU hashes the connector
+#: announced are counted).
 READER = textwrap.dedent(
     """
     import json, os, signal, sys
     sys.path.insert(0, {tests!r})
     from vllm_harness import (
-        engine, generate, offload_config, planner_stats, shared_prefix_prompts,
-        worker_connector,
+        engine, generate, offload_config, planner_stats, scheduler_connector,
+        shared_prefix_prompts, worker_connector,
     )
 
     prompts = shared_prefix_prompts(4, 4)
@@ -63,7 +64,14 @@ READER = textwrap.dedent(
         cfg = offload_config(
             remote_url={url!r}, remote_namespace=phase["ns"], **phase.get("extra", {{}})
         )
-        with engine({model!r}, cfg) as llm:
+        kw = {{}}
+        if phase.get("events"):
+            from vllm.config import KVEventsConfig
+
+            kw["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="null"
+            )
+        with engine({model!r}, cfg, **kw) as llm:
             if phase.get("kill"):
                 outputs = generate(llm, prompts[:2])
                 for pid_file in phase["kill"]:
@@ -75,7 +83,11 @@ READER = textwrap.dedent(
             stats = planner_stats(llm)
             tier = worker_connector().offload_worker._tier
             worker = dict(tier.stats()) if tier is not None else {{}}
-        results[phase["name"]] = dict(outputs=outputs, planner=stats, worker=worker)
+            log = scheduler_connector(llm).offload_scheduler.event_log
+            announced = log.num_resident if log is not None else None
+        results[phase["name"]] = dict(
+            outputs=outputs, planner=stats, worker=worker, announced=announced
+        )
     print("RESULT", json.dumps(results))
     """
 )
@@ -134,7 +146,7 @@ def test_engines_share_prefixes_through_the_cluster(
     computed, token-identical to vLLM without kvoffload, with sync and async loads; under
     another namespace the same prompts miss."""
     phases = [
-        {"name": "sync", "ns": NAMESPACE},
+        {"name": "sync", "ns": NAMESPACE, "events": True},
         {"name": "async", "ns": NAMESPACE, "extra": {"load_mode": "async"}},
         {"name": "other", "ns": "another-deployment"},
     ]
@@ -146,6 +158,10 @@ def test_engines_share_prefixes_through_the_cluster(
         assert planner["remote_hit_tokens"] > 0, (name, planner)
         assert planner["remote_failed_fetch_blocks"] == 0, (name, planner)
         assert r[name]["worker"]["remote_bytes_read"] > 0, (name, r[name]["worker"])
+    # Blocks fetched from the cluster are on this engine's CPU tier like the ones it
+    # stored itself, and announced with them (vLLM's hashes, for a KV-aware router).
+    sync = r["sync"]["planner"]
+    assert r["sync"]["announced"] == sync["stored_blocks"] + sync["remote_fetched_blocks"]
     other = r["other"]
     assert other["outputs"] == reference
     assert other["planner"]["remote_probe_round_trips"] > 0

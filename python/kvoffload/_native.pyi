@@ -105,9 +105,11 @@ class Planner:
     def attach_remote(self, config: OffloadConfig, layout: Mapping[str, Any]) -> None:
         """Connects the remote tier of ``config`` with the keys of ``layout``; raises
         ``RemoteTierError`` when the store cannot be used."""
-    def take_fetches(self) -> list[tuple[int, str, bytes, bytes]]:
-        """``(transfer_id, req_id, hashes, cpu_blocks)``: 16-byte hashes, u32 ids."""
-    def complete_fetches(self, reports: list[tuple[int, int]]) -> None: ...
+    def take_fetches(self) -> list[tuple[int, str, bytes, bytes, int]]:
+        """``(transfer_id, req_id, hashes, cpu_blocks, first_block)``: 16-byte hashes,
+        u32 ids; ``first_block`` is the first hash's position in the request."""
+    def complete_fetches(self, reports: list[tuple[int, int]]) -> list[int]:
+        """Applies per-rank reports ``(transfer_id, filled)``; the fetches now retired."""
     def block_hashes(self, cpu_blocks: bytes) -> tuple[bytes, bytes]:
         """``(hashes, cpu_blocks)`` of the blocks that hold a hash."""
     @property

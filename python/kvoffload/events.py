@@ -102,9 +102,25 @@ class CpuEventLog:
         if keys:
             self._by_transfer[tid] = keys
 
+    def fetch_issued(self, fetches: list[tuple[Any, ...]], requests: dict[str, Any]) -> None:
+        """Snapshots the blocks of remote fetches just issued: once every rank fetched
+        them they are on CPU like stored blocks, and announced the same way."""
+        for tid, req_id, _hashes, cpu, first in fetches:
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            n = len(cpu) // 4  # u32 CPU block ids
+            keys: list[tuple[int, bytes]] = []
+            for i in range(first, min(first + n, len(request.block_hashes))):
+                key = (0, planner_key(request.block_hashes[i]))
+                self._in_flight[key] = request_block_meta(request, i, self._block_size)
+                keys.append(key)
+            if keys:
+                self._by_transfer[tid] = keys
+
     def stores_retired(self, planner_events: list[tuple[Any, ...]], tids: list[int]) -> None:
-        """Converts ``planner_events`` (taken after the stores ``tids`` retired, so theirs
-        are among them), then drops what was kept for those stores."""
+        """Converts ``planner_events`` (taken after the stores or fetches ``tids`` retired,
+        so theirs are among them), then drops what was kept for those transfers."""
         self.convert(planner_events)
         for tid in tids:
             for key in self._by_transfer.pop(tid, ()):

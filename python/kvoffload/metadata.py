@@ -16,9 +16,10 @@ from kvoffload.vllm_adapter import (
 LoadSpec = tuple[int, str, bytes, bytes, bool, bool]
 #: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
 StoreSpec = tuple[int, bytes, bytes, list[str]]
-#: ``(transfer_id, req_id, hashes, cpu_blocks)``: fetch 16-byte-hash blocks from the
-#: remote tier into CPU blocks the scheduler reserved for them.
-FetchSpec = tuple[int, str, bytes, bytes]
+#: ``(transfer_id, req_id, hashes, cpu_blocks, first_block)``: fetch 16-byte-hash blocks
+#: from the remote tier into CPU blocks the scheduler reserved for them (``first_block``:
+#: the first one's position in the request).
+FetchSpec = tuple[int, str, bytes, bytes, int]
 
 
 @dataclass

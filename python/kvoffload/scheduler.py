@@ -202,6 +202,8 @@ class OffloadScheduler:
             meta.store = store
         if self._planner.has_remote:
             meta.fetches = self._planner.take_fetches()
+            if meta.fetches and self._events is not None:
+                self._events.fetch_issued(meta.fetches, self._requests)
         if self._remote_writes and store is not None:
             meta.store_hashes = self._planner.block_hashes(store[2])
         return meta
@@ -244,9 +246,12 @@ class OffloadScheduler:
             return
         if meta.fetched:
             try:
-                self._planner.complete_fetches(meta.fetched)
+                fetched = self._planner.complete_fetches(meta.fetched)
             except KVOffloadError as e:
                 logger.error("kvoffload: ignoring a bad fetch report: %s", e)
+            else:
+                if fetched and self._events is not None:
+                    self._events.stores_retired(self._planner.take_events(), fetched)
         if not meta.transfer_ids:
             return
         try:

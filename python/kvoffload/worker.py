@@ -162,7 +162,7 @@ class OffloadWorker:
         self._wait(fence, PREEMPTION_FENCE_TIMEOUT_S, "stores of preempted requests")
 
     def _submit_fetches(self, metadata: KVOffloadMetadata) -> None:
-        for tid, _req_id, hashes, cpu in metadata.fetches:
+        for tid, _req_id, hashes, cpu, _first in metadata.fetches:
             if self._tier is None:
                 self._fetched.append((tid, 0))
                 continue

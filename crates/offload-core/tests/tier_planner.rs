@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +15,7 @@ use offload_core::tier::{
     WorkerTier,
 };
 use offload_core::transfer::{Direction, RegionSpec, TransferConfig, TransferEngine, TransferJob};
-use offload_core::{BlockHash, LookupOutcome, Planner, PlannerConfig};
+use offload_core::{BlockHash, KvEvent, LookupOutcome, Planner, PlannerConfig};
 
 const BS: u32 = 16;
 const FP: LayoutFingerprint = LayoutFingerprint(0x5eed);
@@ -32,7 +34,7 @@ fn tier(store: &MemoryStore, stats: &Arc<TierStats>) -> RemoteTier {
 }
 
 fn planner(store: &MemoryStore, cpu_blocks: u32) -> Planner {
-    let mut p = Planner::new(PlannerConfig::new(BS, cpu_blocks));
+    let mut p = Planner::new(PlannerConfig::new(BS, cpu_blocks).with_events(true));
     let stats = Arc::new(TierStats::default());
     p.attach_remote(ProbeQueue::spawn(tier(store, &stats)).unwrap(), stats);
     p
@@ -66,6 +68,34 @@ fn write_remote(store: &MemoryStore, hashes: &[BlockHash], block_bytes: usize) {
 
 fn payload(h: BlockHash, len: usize) -> Vec<u8> {
     key_bytes(h).iter().copied().cycle().take(len).collect()
+}
+
+#[test]
+fn fetched_blocks_are_announced_like_stored_ones() {
+    let store = MemoryStore::default();
+    let h = chain(5);
+    write_remote(&store, &h[1..4], 8);
+    let mut p = planner(&store, 8);
+    common::planner::store_prompt(&mut p, "local", &h[..1], 0);
+    p.take_events();
+    assert_eq!(settle(&mut p, "a", &h, 81), LookupOutcome::Pending);
+    let job = p.take_fetches().remove(0);
+    assert_eq!((job.first_block, &job.hashes[..]), (1, &h[1..4]));
+    assert!(
+        p.take_events().is_empty(),
+        "nothing is on CPU before the fetch is done"
+    );
+    // Two of the three blocks came: they are on CPU, chained after the local block.
+    assert!(p.complete_fetch(job.id, 2).unwrap());
+    assert_eq!(
+        p.take_events(),
+        vec![KvEvent::Stored {
+            group: 0,
+            hashes: h[1..3].to_vec(),
+            parent: Some(h[0]),
+            block_size: BS,
+        }]
+    );
 }
 
 #[test]

@@ -40,7 +40,7 @@ type StepTuple<'py> = (
     Vec<u32>,
 );
 /// `(id, req_id, hashes, cpu_blocks)`: 16-byte hashes, little-endian u32 block ids.
-type FetchTuple<'py> = (u64, String, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+type FetchTuple<'py> = (u64, String, Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize);
 /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
 /// retired_stores)`.
 type CompleteTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u64>);
@@ -163,7 +163,8 @@ impl PyPlanner {
     }
 
     /// Fetches planned since the last call, for the workers:
-    /// `(transfer_id, req_id, hashes, cpu_blocks)` (16-byte hashes, little-endian u32 ids).
+    /// `(transfer_id, req_id, hashes, cpu_blocks, first_block)` (16-byte hashes,
+    /// little-endian u32 ids; `first_block`: the first hash's position in the request).
     fn take_fetches<'py>(&mut self, py: Python<'py>) -> Vec<FetchTuple<'py>> {
         self.inner
             .take_fetches()
@@ -174,21 +175,28 @@ impl PyPlanner {
                     f.req_id,
                     hashes_to_bytes(py, f.hashes),
                     ids_to_bytes(py, &f.cpu_blocks),
+                    f.first_block,
                 )
             })
             .collect()
     }
 
-    /// Applies per-rank fetch reports `(transfer_id, leading blocks filled)`; every report
-    /// is applied, and the first one naming an unknown fetch is raised after.
-    fn complete_fetches(&mut self, reports: Vec<(u64, usize)>) -> PyResult<()> {
+    /// Applies per-rank fetch reports `(transfer_id, leading blocks filled)` and returns
+    /// the fetches every rank has now reported; every report is applied, and the first one
+    /// naming an unknown fetch is raised after.
+    fn complete_fetches(&mut self, reports: Vec<(u64, usize)>) -> PyResult<Vec<u64>> {
         let mut first = None;
+        let mut retired = Vec::new();
         for (id, filled) in reports {
-            if let Err(e) = self.inner.complete_fetch(id, filled) {
-                first.get_or_insert(e);
+            match self.inner.complete_fetch(id, filled) {
+                Ok(true) => retired.push(id),
+                Ok(false) => {}
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
             }
         }
-        first.map_or(Ok(()), |e| Err(plan_err(e)))
+        first.map_or(Ok(retired), |e| Err(plan_err(e)))
     }
 
     /// The remote keys' hashes of CPU blocks (little-endian u32 ids) as 16-byte chunks;

@@ -13,6 +13,7 @@ use foldhash::fast::RandomState;
 use hashbrown::HashMap;
 
 use crate::error::PlanError;
+use crate::events::StoredChain;
 use crate::key::{BlockHash, BlockId, BlockKey};
 use crate::pool::BlockState;
 use crate::tier::{ProbeQueue, TierSnapshot, TierStats};
@@ -42,6 +43,7 @@ pub enum LookupOutcome {
 
 /// A fetch for the workers: bring blocks `hashes` from the remote tier into `cpu_blocks`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FetchJob {
     /// Transfer id; each rank reports it with the number of leading blocks it filled.
     pub id: TransferId,
@@ -51,6 +53,9 @@ pub struct FetchJob {
     pub hashes: Vec<BlockHash>,
     /// The CPU blocks reserved for them.
     pub cpu_blocks: Vec<BlockId>,
+    /// The first block's position in the request's chain of block hashes (what a KV event
+    /// for the fetched blocks needs to name their tokens).
+    pub first_block: usize,
 }
 
 /// Counters of the scheduler's side of the remote tier.
@@ -91,6 +96,8 @@ enum Phase {
 struct Fetch {
     req_id: String,
     need: usize,
+    /// The hash of the block before the first fetched one, for the fetched chain's event.
+    parent: Option<BlockHash>,
     hashes: Vec<BlockHash>,
     blocks: Vec<BlockId>,
     acks: u32,
@@ -263,6 +270,10 @@ impl Planner {
             );
             return Ok(hit);
         }
+        let parent = match end.checked_sub(1) {
+            Some(i) => Some(hashes.hash(i).map_err(bad)?),
+            None => None,
+        };
         let id = self.ledger.next_id();
         rest.truncate(blocks.len());
         remote.stats.fetches += 1;
@@ -272,12 +283,14 @@ impl Planner {
             req_id: req.to_string(),
             hashes: rest.clone(),
             cpu_blocks: blocks.clone(),
+            first_block: end,
         });
         remote.fetches.insert(
             id,
             Fetch {
                 req_id: req.to_string(),
                 need,
+                parent,
                 hashes: rest,
                 blocks,
                 acks: 0,
@@ -299,9 +312,12 @@ impl Planner {
 
     /// One rank reports fetch `id` done with its first `filled` blocks in place. Once
     /// every rank reported, the blocks all of them filled are published (held for the
-    /// request's next lookup); the rest are dropped and their first hash is remembered, so
-    /// no later lookup is offered the same failing block.
-    pub fn complete_fetch(&mut self, id: TransferId, filled: usize) -> Result<(), PlanError> {
+    /// request's next lookup, announced by a [`KvEvent::Stored`](crate::KvEvent::Stored)
+    /// like any block the CPU tier stores); the rest are dropped and their first hash is
+    /// remembered, so no later lookup is offered the same failing block.
+    ///
+    /// Returns whether this report retired the fetch (every rank reported).
+    pub fn complete_fetch(&mut self, id: TransferId, filled: usize) -> Result<bool, PlanError> {
         let world = self.cfg.world_size;
         let remote = self
             .remote
@@ -314,22 +330,30 @@ impl Planner {
         f.acks += 1;
         f.filled = f.filled.min(filled);
         if f.acks < world {
-            return Ok(());
+            return Ok(false);
         }
         let Some(f) = remote.fetches.remove(&id) else {
-            return Ok(());
+            return Ok(false);
         };
         let n = f.filled.min(f.blocks.len());
         let waiting = matches!(remote.reqs.get(&f.req_id), Some(Phase::Fetching(i)) if *i == id);
         let mut pinned = Vec::new();
-        for &b in &f.blocks[..n] {
-            // Held for the request's next lookup, unless a reset dropped the block.
-            if waiting && self.cache.pool().state(b) == Some(BlockState::Pending) {
+        let mut chain = StoredChain::new(GROUP, self.cfg.block_size);
+        let mut parent = f.parent;
+        for (&b, &h) in f.blocks[..n].iter().zip(&f.hashes) {
+            // A block a reset dropped meanwhile is neither held nor announced.
+            let present = self.cache.pool().state(b) == Some(BlockState::Pending);
+            if present && waiting {
                 let _ = self.cache.pin(b);
                 pinned.push(b);
             }
             let _ = self.cache.publish(b);
+            if present {
+                chain.push(h, parent, self.cache.events_mut());
+            }
+            parent = Some(h);
         }
+        chain.flush(self.cache.events_mut());
         for &b in &f.blocks[n..] {
             let _ = self.cache.abort(b);
         }
@@ -349,7 +373,7 @@ impl Planner {
                 },
             );
         }
-        Ok(())
+        Ok(true)
     }
 
     /// `req` was allocated: blocks held for it are released (its hit pinned them). That
