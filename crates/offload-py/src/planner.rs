@@ -6,7 +6,7 @@ use std::sync::Arc;
 use offload_core::tier::{ProbeQueue, TierStats};
 use offload_core::{
     BlockHash, BlockKey, GroupKind, KvEvent, LazyCandidate, LookupOutcome, Planner, PlannerConfig,
-    PlannerStats, ScheduleKind, ScheduledGroups, ScheduledRequest, StepPlan,
+    PlannerStats, ScheduleKind, ScheduledRequest, StepPlan,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -369,40 +369,13 @@ impl PyPlanner {
             names.push(name);
         }
         let ids: Vec<&str> = names.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
-        let rows = rows.into_iter().zip(ids.iter().zip(&names));
         let plan = if multi {
-            let scheduled = rows.map(
-                |(
-                    (kind, num_computed_tokens, num_scheduled_tokens, (_, gpu_blocks)),
-                    (req_id, name),
-                )| {
-                    ScheduledGroups {
-                        req_id,
-                        kind,
-                        num_computed_tokens,
-                        num_scheduled_tokens,
-                        gpu_blocks,
-                        hashes: MappedHashes::new(hash_lists, name),
-                    }
-                },
-            );
+            let tables = rows.into_iter().map(|(k, c, n, (_, all))| (k, c, n, all));
+            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
             self.inner.schedule_groups(scheduled, lazy)
         } else {
-            let scheduled = rows.map(
-                |(
-                    (kind, num_computed_tokens, num_scheduled_tokens, (gpu_blocks, _)),
-                    (req_id, name),
-                )| {
-                    ScheduledRequest {
-                        req_id,
-                        kind,
-                        num_computed_tokens,
-                        num_scheduled_tokens,
-                        gpu_blocks,
-                        hashes: MappedHashes::new(hash_lists, name),
-                    }
-                },
-            );
+            let tables = rows.into_iter().map(|(k, c, n, (one, _))| (k, c, n, one));
+            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
             self.inner.schedule(scheduled, lazy)
         }
         .map_err(plan_err)?;
@@ -610,6 +583,29 @@ fn req_id(v: Bound<'_, PyAny>) -> PyResult<Bound<'_, PyString>> {
             type_name(e.into_inner().as_any())
         ))
     })
+}
+
+/// The step's scheduled requests from their rows `(kind, num_computed_tokens,
+/// num_scheduled_tokens, block tables)`, ids `ids` (borrowed from `names`), and hashes
+/// read from `hash_lists` when the planner needs them.
+fn scheduled_requests<'a, 'py, B>(
+    rows: impl Iterator<Item = (ScheduleKind, usize, usize, B)>,
+    ids: &'a [&'a str],
+    names: &'a [Bound<'py, PyString>],
+    hash_lists: &'a Bound<'py, PyMapping>,
+) -> impl Iterator<Item = ScheduledRequest<'a, MappedHashes<'a, 'py>, B>> {
+    rows.zip(ids.iter().zip(names)).map(
+        move |((kind, num_computed_tokens, num_scheduled_tokens, gpu_blocks), (req_id, name))| {
+            ScheduledRequest {
+                req_id,
+                kind,
+                num_computed_tokens,
+                num_scheduled_tokens,
+                gpu_blocks,
+                hashes: MappedHashes::new(hash_lists, name),
+            }
+        },
+    )
 }
 
 /// vLLM passes block ids per KV-cache group (`tuple[list[int], ...]`) or `None`.

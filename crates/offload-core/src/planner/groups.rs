@@ -25,7 +25,7 @@ use crate::key::{BlockHash, BlockId, BlockKey};
 
 use super::request::{Hit, Request};
 use super::select::{PendingStore, StoreEntry};
-use super::types::{HashSource, ScheduleKind, ScheduledRequest};
+use super::types::{HashSource, ScheduledRequest};
 use super::{live_entry, Planner, PlannerConfig};
 
 /// The kind of a KV-cache group: which blocks of a request it keeps.
@@ -58,25 +58,10 @@ impl GroupKind {
 }
 
 /// One scheduled request of a step, with a block table per KV-cache group (see
-/// [`ScheduledRequest`], whose `gpu_blocks` is group 0's).
-#[derive(Debug, Clone)]
-pub struct ScheduledGroups<'a, H> {
-    /// The request id.
-    pub req_id: &'a str,
-    /// New, resumed or running.
-    pub kind: ScheduleKind,
-    /// Tokens computed before this step.
-    pub num_computed_tokens: usize,
-    /// Tokens this step computes (read only with
-    /// [`PlannerConfig::stores_after_forward`]).
-    pub num_scheduled_tokens: usize,
-    /// Per group, GPU block ids: the whole table (new, resumed) or the blocks added
-    /// (running). Positions a sliding-window group does not hold carry the server's
-    /// null block id; they are never read.
-    pub gpu_blocks: Vec<Vec<u32>>,
-    /// The request's block hashes (the same for every group).
-    pub hashes: H,
-}
+/// [`ScheduledRequest`], whose `gpu_blocks` is group 0's table). Positions a
+/// sliding-window group does not hold carry the server's null block id; they are never
+/// read.
+pub type ScheduledGroups<'a, H> = ScheduledRequest<'a, H, Vec<Vec<u32>>>;
 
 impl<'a, H> From<ScheduledRequest<'a, H>> for ScheduledGroups<'a, H> {
     /// The request with its one block table.
@@ -159,7 +144,7 @@ impl Planner {
         scheduled: impl IntoIterator<Item = ScheduledGroups<'a, H>>,
         lazy_candidates: impl IntoIterator<Item = super::LazyCandidate>,
     ) -> Result<super::StepPlan, PlanError> {
-        let Some(kinds) = self.groups.clone() else {
+        if self.groups.is_none() {
             let single = scheduled.into_iter().map(|s| {
                 let mut blocks = s.gpu_blocks;
                 ScheduledRequest {
@@ -175,78 +160,9 @@ impl Planner {
                     hashes: s.hashes,
                 }
             });
-            return self.schedule_single(single, lazy_candidates);
-        };
-        let bs = self.block_size();
-        let after_forward = self.cfg.stores_after_forward;
-        let mut first_err = None;
-        for s in scheduled {
-            if s.gpu_blocks.len() != kinds.len() && !s.gpu_blocks.is_empty() {
-                first_err.get_or_insert(PlanError::GroupMismatch {
-                    req_id: s.req_id.to_string(),
-                    expected: kinds.len(),
-                    got: s.gpu_blocks.len(),
-                });
-                continue;
-            }
-            let r = live_entry(&mut self.requests, &mut self.next_serial, s.req_id);
-            r.groups.resize_with(kinds.len(), GroupBlocks::default);
-            r.alloc_tokens = s.num_computed_tokens;
-            for (g, blocks) in r.groups.iter_mut().zip(s.gpu_blocks) {
-                if s.kind == ScheduleKind::Running {
-                    g.gpu_blocks.extend_from_slice(&blocks);
-                } else {
-                    g.gpu_blocks = blocks;
-                }
-            }
-            if s.kind != ScheduleKind::Running && !after_forward {
-                continue;
-            }
-            let confirmed = if after_forward {
-                (s.num_computed_tokens + s.num_scheduled_tokens) / bs
-            } else {
-                s.num_computed_tokens / bs
-            };
-            let stored = r.groups.iter().map(|g| g.stored_upto).min().unwrap_or(0);
-            if self.cfg.lazy || confirmed <= stored {
-                continue;
-            }
-            match r.sync(&s.hashes, confirmed, &mut self.cache, &mut self.stats) {
-                Ok(usable) => {
-                    select_groups(
-                        s.req_id,
-                        r,
-                        usable,
-                        &kinds,
-                        bs,
-                        !after_forward,
-                        &mut self.cache,
-                        &mut self.pending_store,
-                        &mut self.stats,
-                    );
-                }
-                Err(e) => {
-                    first_err.get_or_insert(PlanError::BadHash {
-                        req_id: s.req_id.to_string(),
-                        source: e,
-                    });
-                }
-            }
+            return self.schedule_rows(single, lazy_candidates);
         }
-        if let Some(e) = first_err {
-            return Err(e);
-        }
-        let held = if self.cfg.lazy {
-            super::select::select_lazy(
-                lazy_candidates,
-                &mut self.cache,
-                &mut self.pending_store,
-                &mut self.stats,
-            )
-        } else {
-            Vec::new()
-        };
-        Ok(self.issue(held))
+        self.schedule_rows(scheduled, lazy_candidates)
     }
 
     /// [`Self::on_alloc`] with the request's block table per group (`gpu_blocks[g]`

@@ -29,6 +29,7 @@ mod lookup;
 mod remote;
 mod request;
 mod select;
+mod step;
 mod types;
 
 use foldhash::fast::RandomState;
@@ -40,7 +41,8 @@ use crate::events::{KvEvent, PlannerStats};
 
 use ledger::Ledger;
 use request::{Finishing, Report, Request};
-use select::{select_eager, select_lazy, PendingStore};
+use select::{select_lazy, PendingStore};
+use step::Selector;
 
 pub use groups::{GroupKind, ScheduledGroups};
 pub use remote::{FetchJob, LookupOutcome, RemoteStats};
@@ -178,70 +180,9 @@ impl Planner {
         if self.groups.is_some() {
             // One block table per request: refused per request, naming it.
             let one_table = scheduled.into_iter().map(ScheduledGroups::from);
-            return self.schedule_groups(one_table, lazy_candidates);
+            return self.schedule_rows(one_table, lazy_candidates);
         }
-        self.schedule_single(scheduled, lazy_candidates)
-    }
-
-    /// [`Self::schedule`] of the single-group planner.
-    fn schedule_single<'a, H: HashSource>(
-        &mut self,
-        scheduled: impl IntoIterator<Item = ScheduledRequest<'a, H>>,
-        lazy_candidates: impl IntoIterator<Item = LazyCandidate>,
-    ) -> Result<StepPlan, PlanError> {
-        let bs = self.block_size();
-        let mut first_err = None;
-        for s in scheduled {
-            let r = live_entry(&mut self.requests, &mut self.next_serial, s.req_id);
-            if s.kind == ScheduleKind::Running {
-                r.gpu_blocks.extend_from_slice(&s.gpu_blocks);
-            } else {
-                r.gpu_blocks = s.gpu_blocks;
-                if !self.cfg.stores_after_forward {
-                    continue;
-                }
-            }
-            let confirmed = if self.cfg.stores_after_forward {
-                (s.num_computed_tokens + s.num_scheduled_tokens) / bs
-            } else {
-                s.num_computed_tokens / bs
-            };
-            if self.cfg.lazy || confirmed <= r.stored_upto {
-                continue;
-            }
-            match r.sync(&s.hashes, confirmed, &mut self.cache, &mut self.stats) {
-                Ok(usable) => {
-                    select_eager(
-                        s.req_id,
-                        r,
-                        usable,
-                        &mut self.cache,
-                        &mut self.pending_store,
-                        &mut self.stats,
-                    );
-                }
-                Err(e) => {
-                    first_err.get_or_insert(PlanError::BadHash {
-                        req_id: s.req_id.to_string(),
-                        source: e,
-                    });
-                }
-            }
-        }
-        if let Some(e) = first_err {
-            return Err(e);
-        }
-        let held = if self.cfg.lazy {
-            select_lazy(
-                lazy_candidates,
-                &mut self.cache,
-                &mut self.pending_store,
-                &mut self.stats,
-            )
-        } else {
-            Vec::new()
-        };
-        Ok(self.issue(held))
+        self.schedule_rows(scheduled, lazy_candidates)
     }
 
     /// `req` finished with `num_computed_tokens` computed and block hashes `hashes`. In
@@ -264,36 +205,25 @@ impl Planner {
         };
         let confirmed = num_computed_tokens / bs;
         let mut err = None;
-        let stored_upto = match self.groups {
-            Some(_) => r.groups.iter().map(|g| g.stored_upto).min().unwrap_or(0),
-            None => r.stored_upto,
+        let sel = match self.groups.as_deref() {
+            Some(kinds) => Selector::Groups(kinds),
+            None => Selector::Single,
         };
-        if !self.cfg.lazy && confirmed > stored_upto {
+        if !self.cfg.lazy && confirmed > sel.stored_upto(&r) {
             match r.sync(hashes, confirmed, &mut self.cache, &mut self.stats) {
                 Ok(usable) => {
-                    let queued = match &self.groups {
-                        // The request's last allocation freed what it no longer holds;
-                        // a finished request keeps the rest until this flush.
-                        Some(kinds) => groups::select_groups(
-                            req,
-                            &mut r,
-                            usable,
-                            kinds,
-                            bs,
-                            !self.cfg.stores_after_forward,
-                            &mut self.cache,
-                            &mut self.pending_store,
-                            &mut self.stats,
-                        ),
-                        None => select_eager(
-                            req,
-                            &mut r,
-                            usable,
-                            &mut self.cache,
-                            &mut self.pending_store,
-                            &mut self.stats,
-                        ),
-                    };
+                    // A multi-group request's last allocation freed what it no longer
+                    // holds; a finished request keeps the rest until this flush.
+                    let queued = sel.select(
+                        req,
+                        &mut r,
+                        usable,
+                        bs,
+                        !self.cfg.stores_after_forward,
+                        &mut self.cache,
+                        &mut self.pending_store,
+                        &mut self.stats,
+                    );
                     if queued {
                         self.pending_store.flush_req_ids.push(req.to_string());
                     }

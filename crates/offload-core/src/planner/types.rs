@@ -187,7 +187,7 @@ pub enum ScheduleKind {
 
 /// One scheduled request of a step.
 #[derive(Debug, Clone)]
-pub struct ScheduledRequest<'a, H> {
+pub struct ScheduledRequest<'a, H, B = Vec<u32>> {
     /// The request id.
     pub req_id: &'a str,
     /// New, resumed or running.
@@ -198,8 +198,9 @@ pub struct ScheduledRequest<'a, H> {
     /// Tokens this step computes (read only with
     /// [`PlannerConfig::stores_after_forward`]).
     pub num_scheduled_tokens: usize,
-    /// GPU block ids: the whole table (new, resumed) or the blocks added (running).
-    pub gpu_blocks: Vec<u32>,
+    /// GPU block ids: the whole table (new, resumed) or the blocks added (running); one
+    /// table, or one per KV-cache group in a [`ScheduledGroups`](super::ScheduledGroups).
+    pub gpu_blocks: B,
     /// The request's block hashes.
     pub hashes: H,
 }
