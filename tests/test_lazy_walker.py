@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 
-from kvoffload.vllm_adapter import FreeQueueWalker
+from kvoffload.vllm_adapter import FreeQueueWalker, GpuBlockHolder
 
 NUM_BLOCKS = 24
 
@@ -142,3 +142,57 @@ def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None
         rest = offer_all(walker)
         assert not offered.intersection(rest)
         assert sorted(offered.union(rest)) == sorted(cached_free_blocks(pool)), f"seed {seed}"
+
+
+def free_queue_state(pool: BlockPool) -> tuple[list[int], int, list[int]]:
+    """The free queue's order (walked both ways), its length and every block's ref count."""
+    queue = pool.free_block_queue
+    forward = [b.block_id for b in queue.get_all_free_blocks()]
+    backward = []
+    node = queue.fake_free_list_tail.prev_free_block
+    while node is not queue.fake_free_list_head:
+        backward.append(node.block_id)
+        node = node.prev_free_block
+    assert backward[::-1] == forward
+    return forward, queue.num_free_blocks, [b.ref_cnt for b in pool.blocks]
+
+
+def test_holder_holds_and_releases_as_vllms_touch_and_free_blocks() -> None:
+    """The holder's batched hold/release leave the pool exactly as vLLM's own ``touch`` and
+    ``free_blocks`` do: same free queue order and length, same reference counts, for
+    blocks in the queue or in use, cached or not, held more than once."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        mine, theirs = BlockPool(NUM_BLOCKS, True, 16), BlockPool(NUM_BLOCKS, True, 16)
+        holder = GpuBlockHolder(mine)
+        hashes = (Hashes(), Hashes())
+        refs: list[int] = []  # one entry per reference a "request" holds
+        held: list[int] = []  # one entry per hold
+        for step in range(150):
+            op = rng.choice(["alloc", "free", "hold", "release"])
+            if op == "alloc" and mine.get_num_free_blocks() > 0:
+                n = rng.randint(1, min(4, mine.get_num_free_blocks()))
+                cache = [rng.random() < 0.7 for _ in range(n)]
+                for pool, h in zip((mine, theirs), hashes, strict=True):
+                    blocks = pool.get_new_blocks(n)
+                    for b, c in zip(blocks, cache, strict=True):
+                        if c:
+                            h.give(b)
+                refs.extend(b.block_id for b in blocks)
+            elif op in ("free", "release") and (refs if op == "free" else held):
+                taken = refs if op == "free" else held
+                rng.shuffle(taken)
+                n = rng.randint(1, len(taken))
+                ids = taken[:n]
+                del taken[:n]
+                if op == "free":
+                    mine.free_blocks([mine.blocks[i] for i in ids])
+                else:
+                    holder.release(ids)
+                theirs.free_blocks([theirs.blocks[i] for i in ids])
+            elif op == "hold":
+                ids = rng.sample(range(NUM_BLOCKS), rng.randint(1, 6))
+                holder.hold(ids)
+                theirs.touch([theirs.blocks[i] for i in ids])
+                held.extend(ids)
+            assert free_queue_state(mine) == free_queue_state(theirs), f"seed {seed} step {step}"

@@ -182,22 +182,23 @@ def test_on_alloc_blocks_is_refused_by_a_planner_of_kv_cache_groups() -> None:
         p.on_alloc_blocks("a", [], 0, 16)
 
 
-def test_planner_stats_delta_reports_each_increase_once() -> None:
+def test_planner_stats_report_says_each_change_once() -> None:
     p = _native.Planner(16, 64)
     assert p.reads_scheduled_requests
     assert not _native.Planner(16, 64, lazy=True).reads_scheduled_requests
     hashes = [bytes([i]) * 32 for i in range(1, 5)]
-    assert p.take_stats_delta() == ([], 0)
+    assert p.take_stats_report() == ({}, {"cpu_blocks_used": 0, "cpu_blocks_capacity": 64})
+    assert p.take_stats_report() is None
     p.lookup("a", hashes, 65, 0)
     p.lookup("b", hashes, 65, 0)
-    assert p.take_stats_delta() == ([("lookups", 2)], 0)
-    assert p.take_stats_delta() == ([], 0)
+    assert p.take_stats_report() == ({"lookups": 2}, {})
+    assert p.take_stats_report() is None
     gpu = [10, 11, 12, 13, 14]
     p.on_alloc("a", gpu, 0, 0)
     p.schedule(["a"], [0], [(gpu,)], [], [], [], set(), {"a": hashes})
     p.schedule([], [], [], ["a"], [64], [None], set(), {"a": hashes})
     # Four blocks are being written: in use, not yet stored.
-    assert p.take_stats_delta() == ([("store_blocks", 4)], 4)
+    assert p.take_stats_report() == ({"store_blocks": 4}, {"cpu_blocks_used": 4})
 
 
 @pytest.mark.parametrize(

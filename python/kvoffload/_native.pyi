@@ -186,9 +186,10 @@ class Planner:
     def reads_scheduled_requests(self) -> bool:
         """Whether ``schedule`` reads the request lists (a lazy single-group planner
         does not)."""
-    def take_stats_delta(self) -> tuple[list[tuple[str, int]], int]:
-        """``(counters that grew since the previous call as (name, increase),
-        CPU blocks in use)``."""
+    def take_stats_report(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        """What changed since the previous call: ``({counter: increase},
+        {gauge: value})`` with the counters that grew and the gauges that changed
+        (``cpu_blocks_used``, ``cpu_blocks_capacity``); ``None`` when nothing did."""
 
 # ---- worker side ----------------------------------------------------------------------
 

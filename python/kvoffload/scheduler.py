@@ -242,7 +242,8 @@ class OffloadScheduler:
 
     def _apply_reports(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if not isinstance(meta, KVOffloadWorkerMetadata):
+        # Most steps report nothing; an ABC's isinstance of None is not free.
+        if meta is None or not isinstance(meta, KVOffloadWorkerMetadata):
             return
         if meta.fetched:
             try:
@@ -314,7 +315,9 @@ class OffloadScheduler:
     def stats(self) -> KVOffloadStats | None:
         if not self._stats.due():
             return None
-        p = self._planner
-        deltas, used = p.take_stats_delta()
-        gauges = {"cpu_blocks_used": used, "cpu_blocks_capacity": p.num_cpu_blocks}
-        return self._stats.report(deltas, gauges)
+        # Counter increases and changed gauges, compared in Rust: None when nothing moved.
+        report = self._planner.take_stats_report()
+        if report is None:
+            return None
+        counters, gauges = report
+        return KVOffloadStats.of(counters, gauges, {})

@@ -332,19 +332,69 @@ def allocated_block_ids_per_group(blocks: Any) -> tuple[list[int], ...]:
 
 
 class GpuBlockHolder:
-    """Keeps GPU blocks from reuse while a copy reads them (vLLM's ``touch``), and gives
-    them back (``free_blocks``) when it retired."""
+    """Keeps GPU blocks from reuse while a copy reads them, and gives them back when it
+    retired: vLLM's ``BlockPool.touch`` and ``free_blocks``, done on the free queue in
+    one pass per batch instead of one queue call per block (a lazy store holds a few
+    hundred blocks in a burst). Blocks come from the pool's own ``blocks`` list, so none
+    belongs to another pool; holds are not prefix-cache accesses, so vLLM's cache
+    metrics do not count them."""
 
     def __init__(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
 
-    def hold(self, block_ids: Sequence[int]) -> None:
-        blocks = self._pool.blocks
-        self._pool.touch([blocks[i] for i in block_ids])
+    def hold(self, block_ids: Sequence[int], cursor: Any = None) -> Any:
+        """Takes a reference on each block, unlinking those in the free queue; returns
+        ``cursor`` (a free queue node) or, if it was unlinked, the node before it (``None``
+        at the head)."""
+        pool = self._pool
+        blocks = pool.blocks
+        queue = pool.free_block_queue
+        head = queue.fake_free_list_head
+        removed = 0
+        for i in block_ids:
+            block = blocks[i]
+            if block.ref_cnt == 0 and not block.is_null:
+                prev = block.prev_free_block
+                nxt = block.next_free_block
+                if prev is None or nxt is None:
+                    raise RuntimeError(f"kvoffload: GPU block {i} is not in the free queue")
+                prev.next_free_block = nxt
+                nxt.prev_free_block = prev
+                block.prev_free_block = block.next_free_block = None
+                if block is cursor:
+                    cursor = None if prev is head else prev
+                removed += 1
+            block.ref_cnt += 1
+        queue.num_free_blocks -= removed
+        return cursor
 
     def release(self, block_ids: Sequence[int]) -> None:
-        blocks = self._pool.blocks
-        self._pool.free_blocks([blocks[i] for i in block_ids])
+        """Drops the references; blocks no one else holds rejoin the free queue in
+        order at its tail (cached ones, evicted last) or at its head (others)."""
+        pool = self._pool
+        blocks = pool.blocks
+        queue = pool.free_block_queue
+        tail = queue.fake_free_list_tail
+        last = tail.prev_free_block
+        caching = pool.enable_caching
+        uncached = []
+        appended = 0
+        for i in block_ids:
+            block = blocks[i]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                if block._block_hash is None or not caching:
+                    uncached.append(block)
+                    continue
+                block.prev_free_block = last
+                last.next_free_block = block
+                last = block
+                appended += 1
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        queue.num_free_blocks += appended
+        if uncached:
+            queue.prepend_n(uncached)
 
 
 # ---- GPU block pool (lazy mode) -----------------------------------------------------------
@@ -428,8 +478,9 @@ class FreeQueueWalker:
         return ids, hashes
 
     def hold(self, block_ids: Sequence[int]) -> None:
-        """Keeps blocks out of reuse while a copy reads them."""
-        self._holder.hold(block_ids)
+        """Keeps blocks out of reuse while a copy reads them (the cursor steps back from a
+        block this unlinks, as on any removal)."""
+        self._cursor = self._holder.hold(block_ids, self._cursor)
 
     def release(self, block_ids: Sequence[int]) -> None:
         self._holder.release(block_ids)

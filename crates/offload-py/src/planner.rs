@@ -10,7 +10,7 @@ use offload_core::{
 };
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyMapping, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyMapping, PyString, PyTuple};
 
 use crate::config::PyOffloadConfig;
 use crate::convert::{block_id, block_ids, count, type_name, MappedHashes, PyHashes};
@@ -55,6 +55,8 @@ pub(crate) struct PyPlanner {
     /// The remote tier's counters at the previous `take_stats_delta`, in
     /// `remote_counters` order.
     reported_remote: Vec<u64>,
+    /// `(cpu_blocks_used, cpu_blocks_capacity)` at the previous `take_stats_report`.
+    reported_gauges: Option<(usize, usize)>,
 }
 
 pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
@@ -112,6 +114,7 @@ impl PyPlanner {
             inner: Planner::with_groups(cfg, &kinds),
             reported: PlannerStats::default(),
             reported_remote: Vec::new(),
+            reported_gauges: None,
         })
     }
 
@@ -508,32 +511,56 @@ impl PyPlanner {
         out
     }
 
-    /// The counters that grew since the previous call, as `(name, increase)`, and the CPU
-    /// blocks in use (cached or being written). vLLM asks for stats after every step:
-    /// comparing here keeps that call from building and diffing every counter in Python.
-    fn take_stats_delta(&mut self) -> (Vec<(&'static str, u64)>, usize) {
+    /// What changed since the previous call, as vLLM's stats payload parts: the counters
+    /// that grew (`{name: increase}`) and the gauges whose value changed
+    /// (`cpu_blocks_used`: cached or being written; `cpu_blocks_capacity`); `None` when
+    /// nothing did. vLLM asks after every step: comparing here keeps that call from
+    /// building and diffing every counter in Python.
+    fn take_stats_report<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
         let now = self.inner.stats();
-        let before = counters(&self.reported);
-        let mut deltas: Vec<_> = counters(&now)
-            .into_iter()
-            .zip(before)
-            .filter(|((_, v), (_, was))| v != was)
-            .map(|((name, v), (_, was))| (name, v.saturating_sub(was)))
-            .collect();
-        self.reported = now;
+        let cache = self.inner.cache();
+        let used = cache.capacity() as usize - cache.pool().num_free();
+        let capacity = cache.capacity() as usize;
         let remote = self.remote_counters();
+        let unchanged = now == self.reported
+            && self.reported_gauges == Some((used, capacity))
+            && remote.len() == self.reported_remote.len()
+            && remote
+                .iter()
+                .zip(&self.reported_remote)
+                .all(|((_, v), was)| v == was);
+        if unchanged {
+            return Ok(None);
+        }
+        let deltas = PyDict::new(py);
+        for ((name, v), (_, was)) in counters(&now).into_iter().zip(counters(&self.reported)) {
+            if v != was {
+                deltas.set_item(name, v.saturating_sub(was))?;
+            }
+        }
+        self.reported = now;
         if self.reported_remote.len() != remote.len() {
             self.reported_remote = vec![0; remote.len()];
         }
         for ((name, v), was) in remote.into_iter().zip(&mut self.reported_remote) {
             if v != *was {
-                deltas.push((name, v.saturating_sub(*was)));
+                deltas.set_item(name, v.saturating_sub(*was))?;
                 *was = v;
             }
         }
-        let cache = self.inner.cache();
-        let used = cache.capacity() as usize - cache.pool().num_free();
-        (deltas, used)
+        let gauges = PyDict::new(py);
+        let (was_used, was_capacity) = self.reported_gauges.unzip();
+        if was_used != Some(used) {
+            gauges.set_item(intern!(py, "cpu_blocks_used"), used)?;
+        }
+        if was_capacity != Some(capacity) {
+            gauges.set_item(intern!(py, "cpu_blocks_capacity"), capacity)?;
+        }
+        self.reported_gauges = Some((used, capacity));
+        Ok(Some((deltas, gauges)))
     }
 }
 
