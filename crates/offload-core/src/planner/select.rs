@@ -85,6 +85,9 @@ pub(super) fn select_eager(
     }
     let mut selected = false;
     let slot = pending.slot(req, r.serial, r.queued);
+    // A prefill confirms a whole prompt at once: grow the job's lists once, not by doubling.
+    pending.entries.reserve(confirmed - r.stored_upto);
+    pending.gpu_blocks.reserve(confirmed - r.stored_upto);
     for i in r.stored_upto..confirmed {
         let key = BlockKey::new(GROUP, r.hashes[i]);
         match cache.reserve_key(key) {
@@ -127,7 +130,8 @@ pub(super) fn select_lazy(
     pending: &mut PendingStore,
     stats: &mut PlannerStats,
 ) -> Vec<u32> {
-    let mut chosen = Vec::new();
+    let candidates = candidates.into_iter();
+    let mut chosen = Vec::with_capacity(candidates.size_hint().0);
     for (gpu, key) in candidates {
         let block = match cache.reserve_key(key) {
             Reservation::Reserved(block) => block,
