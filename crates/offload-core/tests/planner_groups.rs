@@ -6,10 +6,13 @@
 
 mod common;
 
-use common::planner::{chained, complete_on_every_rank, hashes, BS};
+use common::planner::{
+    chained, complete_on_every_rank, hashes, sched_groups as sched, step_groups as step,
+    GroupSched as Sched, BS,
+};
 use offload_core::{
     BlockHash, BlockKey, GroupKind, KvEvent, PlanError, Planner, PlannerConfig, ScheduleKind,
-    ScheduledGroups, StepPlan,
+    StepPlan,
 };
 
 /// vLLM's null block id: what a sliding-window group's table holds where it freed a block.
@@ -31,31 +34,6 @@ fn hybrid(blocks: u32, after_forward: bool) -> Planner {
             .with_stores_after_forward(after_forward),
         &HYBRID,
     )
-}
-
-type Sched<'a> = ScheduledGroups<'a, &'a [BlockHash]>;
-
-fn sched<'a>(
-    req: &'a str,
-    kind: ScheduleKind,
-    computed: usize,
-    scheduled: usize,
-    gpu: &[&[u32]],
-    hashes: &'a [BlockHash],
-) -> Sched<'a> {
-    ScheduledGroups {
-        req_id: req,
-        kind,
-        num_computed_tokens: computed,
-        num_scheduled_tokens: scheduled,
-        gpu_blocks: gpu.iter().map(|g| g.to_vec()).collect(),
-        hashes,
-    }
-}
-
-fn step<'a>(p: &mut Planner, reqs: impl IntoIterator<Item = Sched<'a>>) -> StepPlan {
-    p.schedule_groups(reqs, [])
-        .expect("a step with readable hashes")
 }
 
 /// Group tables of a request with `n` blocks: full attention from `full`, sliding window
@@ -84,6 +62,17 @@ fn store_in_one_step(p: &mut Planner, req: &str, h: &[BlockHash], full: u32, sli
     );
     complete_on_every_rank(p, store.id);
     assert!(!p.request_finished(req, h, tokens).unwrap());
+}
+
+/// Prompt `h` (5 blocks) stored by "a", then "b" with the same prompt hits all of it and
+/// is allocated the full-attention blocks 50.. and the sliding-window blocks 73 and 74
+/// (the window of its 80 tokens): the step that issues "b"'s load.
+fn load_whole_hit(p: &mut Planner, h: &[BlockHash]) -> StepPlan {
+    store_in_one_step(p, "a", h, 10, 30);
+    assert_eq!(p.lookup("b", h, 5 * BS + 1, 0).unwrap(), 5 * BS);
+    let [f, s] = tables(6, 50, 70, 3);
+    p.on_alloc_groups("b", &[&f, &s], 0, 5 * BS).unwrap();
+    step(p, [sched("b", ScheduleKind::New, 5 * BS, 1, &[&f, &s], h)])
 }
 
 #[test]
@@ -120,15 +109,8 @@ fn a_running_request_stores_only_the_sliding_blocks_it_still_holds_and_holds_the
 fn a_hit_loads_every_full_block_and_the_sliding_window_into_the_non_null_blocks() {
     let mut p = hybrid(64, true);
     let h = hashes(1, 5);
-    store_in_one_step(&mut p, "a", &h, 10, 30);
-    assert_eq!(p.lookup("b", &h, 5 * BS + 1, 0).unwrap(), 5 * BS);
     // vLLM allocates the sliding group only inside the window of the 80 hit tokens.
-    let [f, s] = tables(6, 50, 70, 3);
-    p.on_alloc_groups("b", &[&f, &s], 0, 5 * BS).unwrap();
-    let plan = step(
-        &mut p,
-        [sched("b", ScheduleKind::New, 5 * BS, 1, &[&f, &s], &h)],
-    );
+    let plan = load_whole_hit(&mut p, &h);
     let load = &plan.loads[0];
     assert!(load.valid);
     assert_eq!(load.gpu_blocks, vec![50, 51, 52, 53, 54, 73, 74]);
@@ -356,14 +338,7 @@ fn lazy_candidates_are_stored_under_their_own_group() {
 fn a_failed_load_drops_its_blocks_of_every_group() {
     let mut p = hybrid(64, true);
     let h = hashes(1, 5);
-    store_in_one_step(&mut p, "a", &h, 10, 30);
-    assert_eq!(p.lookup("b", &h, 5 * BS + 1, 0).unwrap(), 5 * BS);
-    let [f, s] = tables(6, 50, 70, 3);
-    p.on_alloc_groups("b", &[&f, &s], 0, 5 * BS).unwrap();
-    let plan = step(
-        &mut p,
-        [sched("b", ScheduleKind::New, 5 * BS, 1, &[&f, &s], &h)],
-    );
+    let plan = load_whole_hit(&mut p, &h);
     let load = &plan.loads[0];
     p.complete(load.id, false).unwrap();
     let errors = p.take_completions().load_error_blocks;

@@ -4,8 +4,8 @@
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use offload_core::{
-    BlockHash, BlockKey, KvEvent, Planner, PlannerConfig, ScheduleKind, ScheduledRequest, StepPlan,
-    StoreJob, TransferId,
+    BlockHash, BlockKey, KvEvent, Planner, PlannerConfig, ScheduleKind, ScheduledGroups,
+    ScheduledRequest, StepPlan, StoreJob, TransferId,
 };
 
 /// Tokens per block.
@@ -102,6 +102,34 @@ fn sched<'a>(
         gpu_blocks: gpu.to_vec(),
         hashes,
     }
+}
+
+/// A scheduled request of a multi-group planner: a block table per group.
+pub type GroupSched<'a> = ScheduledGroups<'a, &'a [BlockHash]>;
+
+/// `req` scheduled as `kind` with `computed` tokens done before this step, `scheduled`
+/// computed by it, and a (whole or added) block table per group.
+pub fn sched_groups<'a>(
+    req: &'a str,
+    kind: ScheduleKind,
+    computed: usize,
+    scheduled: usize,
+    gpu: &[&[u32]],
+    hashes: &'a [BlockHash],
+) -> GroupSched<'a> {
+    let mut s = ScheduledGroups::from(sched(req, kind, computed, &[], hashes));
+    s.num_scheduled_tokens = scheduled;
+    s.gpu_blocks = gpu.iter().map(|g| g.to_vec()).collect();
+    s
+}
+
+/// One engine step of a multi-group planner with `reqs` scheduled and no lazy candidates.
+pub fn step_groups<'a>(
+    p: &mut Planner,
+    reqs: impl IntoIterator<Item = GroupSched<'a>>,
+) -> StepPlan {
+    p.schedule_groups(reqs, [])
+        .expect("a step with readable hashes")
 }
 
 /// One engine step with `reqs` scheduled and no lazy candidates.
