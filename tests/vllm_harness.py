@@ -25,8 +25,11 @@ def offload_config(**extra: Any) -> dict[str, Any]:
 def engine(
     model: Path, kv_transfer_config: dict[str, Any] | None = None, **kw: Any
 ) -> Iterator[Any]:
-    """An in-process engine; shut down (worker connector included) on exit."""
+    """An in-process engine; shut down (worker connector included) on exit, and when
+    it fails to start (a connector refusing the model would otherwise stay registered
+    for the next engine of the process)."""
     from vllm import LLM
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 
     args: dict[str, Any] = {
         "model": str(model),
@@ -42,15 +45,17 @@ def engine(
     args.update(kw)
     if kv_transfer_config is not None:
         args["kv_transfer_config"] = kv_transfer_config
-    llm = LLM(**args)
+    try:
+        llm = LLM(**args)
+    except BaseException:
+        ensure_kv_transfer_shutdown()
+        raise
     try:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
         ensure_kv_transfer_shutdown()
 
 

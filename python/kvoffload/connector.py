@@ -89,9 +89,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             kinds = ", ".join(f"group {i}: {kind}" for i, kind in unsupported)
             msg = (
                 f"KVOffloadConnector cannot offload model {model_name(vllm_config)}: its "
-                f"KV-cache groups include kinds other than full attention and sliding "
-                f"window ({kinds}); kvoffload offloads full-attention (MLA included) and "
-                "sliding-window KV only"
+                f"KV-cache groups include kinds kvoffload cannot offload ({kinds}); "
+                "kvoffload offloads full-attention (MLA included), sliding-window and "
+                "align-mode Mamba groups only"
             )
             logger.error(msg)
             raise ConfigError(msg)
@@ -129,6 +129,20 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return
         host = kv_in_host_memory()
         sync = config.sync_loads(host)
+        if sync and any(kind == "mamba" for kind, _ in kv_group_kinds(kv_cache_config)):
+            # vLLM copies a request's hit state into its running block before the step's
+            # forward, the only place a sync load runs: the copy would read the block
+            # before the load filled it. An async load finishes before the request's
+            # first step.
+            if config.sync_loads(False):
+                msg = (
+                    f"KVOffloadConnector cannot load model {model_name(vllm_config)} "
+                    'synchronously (load_mode "sync"): its Mamba-kind KV-cache groups '
+                    'need load_mode "async" or "auto"'
+                )
+                logger.error(msg)
+                raise ConfigError(msg)
+            sync = False
         self._scheduler = OffloadScheduler(
             config,
             block_size=block_size(kv_cache_config, vllm_config),

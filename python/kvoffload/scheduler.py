@@ -9,6 +9,7 @@ from kvoffload.events import GROUP_ID_BYTES, CpuEventLog
 from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import CounterDeltas, KVOffloadStats
 from kvoffload.vllm_adapter import (
+    FULL_KINDS,
     EventSpec,
     FreeQueueWalker,
     GpuBlockHolder,
@@ -61,7 +62,7 @@ class OffloadScheduler:
         self._planner = self._new_planner(num_cpu_blocks)
         # Several groups: vLLM's block ids of every group go to the planner.
         self._multi_group = self._planner.num_groups > 1 or (
-            groups is not None and groups[0][0] == "sliding_window"
+            groups is not None and groups[0][0] not in FULL_KINDS
         )
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward

@@ -126,7 +126,7 @@ def remote_unsupported(vllm_config: Any, kinds: list[tuple[str, int | None]]) ->
     from kvoffload._native import remote_sharing_problem
 
     parallel = vllm_config.parallel_config
-    if len(kinds) != 1 or kinds[0][0] == "sliding_window":
+    if len(kinds) != 1 or kinds[0][0] not in FULL_KINDS:
         shown = ", ".join(kind for kind, _ in kinds)
         return (
             f"the model's KV-cache groups are [{shown}]; the remote tier takes one "
@@ -173,7 +173,10 @@ def num_kv_groups(kv_cache_config: Any) -> int:
 #: KV-cache group kinds the planner knows which blocks a request holds of: full attention
 #: (MLA included) keeps them all for the request's life; sliding window frees those before
 #: its window, which the planner neither stores nor loads.
-OFFLOADABLE_KINDS = frozenset({"full_attention", "mla_attention", "sliding_window"})
+OFFLOADABLE_KINDS = frozenset({"full_attention", "mla_attention", "sliding_window", "mamba"})
+
+#: Kinds whose groups hold every block of a request: a hit needs all of them.
+FULL_KINDS = frozenset({"full_attention", "mla_attention"})
 
 
 def model_name(vllm_config: Any) -> str:
@@ -184,11 +187,13 @@ def model_name(vllm_config: Any) -> str:
 def unsupported_kv_groups(kv_cache_config: Any) -> list[tuple[int, str]]:
     """``(group index, kind)`` of every KV-cache group kvoffload cannot offload.
 
-    Full attention (MLA included) and sliding window are planned per group (see
-    ``offload_core::GroupKind``). Chunked-local, Mamba and R-SWA groups free or rewrite
-    blocks of a running request by rules the planner does not model, so a store planned
-    from the table vLLM scheduled could read blocks that already belong to someone else,
-    and a hit could skip state the model needs.
+    Full attention (MLA included), sliding window and Mamba in vLLM's
+    ``mamba_cache_mode="align"`` are planned per group (see ``offload_core::GroupKind``).
+    Chunked-local and R-SWA groups, and Mamba groups in another cache mode or with
+    speculative or prefill-checkpoint blocks (which vLLM relocates or rewrites in place),
+    free or rewrite blocks of a running request by rules the planner does not model, so a
+    store planned from the table vLLM scheduled could read blocks that already belong to
+    someone else, and a hit could skip state the model needs.
     """
     from vllm.v1 import kv_cache_interface as kvi
 
@@ -199,9 +204,32 @@ def unsupported_kv_groups(kv_cache_config: Any) -> list[tuple[int, str]]:
         kind = str(kvi.get_kv_cache_spec_kind(spec).value)
         if rswa is not None and isinstance(spec, rswa):
             kind = "reference_sliding_window"
+        if kind == "mamba":
+            kind = (
+                _mamba_unsupported(spec, getattr(kv_cache_config, "hash_block_size", None)) or kind
+            )
         if kind not in OFFLOADABLE_KINDS:
             out.append((i, kind))
     return out
+
+
+def _mamba_unsupported(spec: Any, hash_block_size: int | None) -> str | None:
+    """The refused form of a Mamba group's kind (naming the setting), or ``None`` when
+    its states are where the planner expects them: one per block boundary a chunk ended
+    at, never moved, each keyed by its block's hash (vLLM's partial-block Mamba hits hash
+    finer blocks and key states at sub-block positions)."""
+    mode = str(getattr(spec, "mamba_cache_mode", None))
+    if mode != "align":
+        return f"mamba (mamba_cache_mode={mode!r}; kvoffload needs 'align')"
+    if hash_block_size is not None and int(hash_block_size) != int(spec.block_size):
+        return (
+            f"mamba (hashed in {hash_block_size}-token blocks, one state per "
+            f"{spec.block_size}-token block)"
+        )
+    for field in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+        if int(getattr(spec, field, 0) or 0) > 0:
+            return f"mamba ({field}={getattr(spec, field)})"
+    return None
 
 
 def kv_group_kinds(kv_cache_config: Any) -> list[tuple[str, int | None]]:
@@ -653,7 +681,7 @@ class Region:
 
 
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Region]:
-    """Block-major regions covering every registered KV tensor, deduplicated by address.
+    """Block-major regions covering every registered KV tensor, each byte once.
 
     Handles vLLM's layouts where the block dimension is first (vLLM >= 0.32's
     ``[B, H, N, C]`` views in any of its layouts, the CPU backend, FlashInfer) or second
@@ -661,8 +689,11 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Regi
     bytes are one dense run, in any axis order, is one region (copies move whole blocks,
     so the order inside does not matter); one whose bytes are spread (layouts with the
     head axis outside the block axis, ``LHBNC``, ``BHLNC``) is split into dense slices.
+    With the hybrid allocator, layers of different groups view the same page of a block
+    id (a Mamba layer's state tensors are parts of the page an attention layer views
+    whole); overlapping views are one region.
     """
-    regions: dict[int, Region] = {}
+    regions: dict[tuple[int, int], Region] = {}
     for name, t in kv_caches.items():
         tensors = t if isinstance(t, (list, tuple)) else [t]
         for tensor in tensors:
@@ -676,29 +707,28 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Regi
                     block_bytes=block_bytes,
                     block_stride=part.stride(0) * es,
                 )
-                regions.setdefault(region.base, region)
+                regions.setdefault((region.base, region.block_bytes), region)
     return merge_adjacent_regions(list(regions.values()))
 
 
 def merge_adjacent_regions(regions: list[Region]) -> list[Region]:
-    """Joins regions that are one region's consecutive slices: where a region's block
-    starts right after another's ends at the same block stride (block-outer layouts put
-    one block of every layer side by side), a block of both is one contiguous run and
-    costs one copy. The rest keep their order (a CPU block holds the regions' bytes in
-    this order)."""
+    """Joins regions that are one region's consecutive or overlapping slices: where a
+    region's block starts inside or right after another's at the same block stride
+    (block-outer layouts put one block of every layer side by side; hybrid groups' layers
+    view the same page), a block of both is one contiguous run and costs one copy. The
+    rest keep their order (a CPU block holds the regions' bytes in this order)."""
     merged: list[tuple[int, Region]] = []
     for order, r in sorted(enumerate(regions), key=lambda e: e[1].base):
         if merged:
             first, last = merged[-1]
+            end = max(last.base + last.block_bytes, r.base + r.block_bytes)
             if (
-                r.base == last.base + last.block_bytes
+                r.base <= last.base + last.block_bytes
                 and r.num_blocks == last.num_blocks
                 and r.block_stride == last.block_stride
-                and last.block_bytes + r.block_bytes <= r.block_stride
+                and end - last.base <= r.block_stride
             ):
-                joined = Region(
-                    last.base, last.num_blocks, last.block_bytes + r.block_bytes, r.block_stride
-                )
+                joined = Region(last.base, last.num_blocks, end - last.base, r.block_stride)
                 merged[-1] = (min(first, order), joined)
                 continue
         merged.append((order, r))

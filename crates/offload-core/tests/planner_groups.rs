@@ -346,3 +346,158 @@ fn a_failed_load_drops_its_blocks_of_every_group() {
     // The same hit is not offered again (vLLM would ask for it forever).
     assert_eq!(p.lookup("c", &h, 5 * BS + 1, 0).unwrap(), 0);
 }
+
+/// A full-attention group and a Mamba group (vLLM's `mamba_cache_mode="align"`).
+const SSM_HYBRID: [GroupKind; 2] = [GroupKind::FullAttention, GroupKind::Mamba];
+
+fn ssm_hybrid(after_forward: bool) -> Planner {
+    Planner::with_groups(
+        PlannerConfig::new(BS as u32, 64).with_stores_after_forward(after_forward),
+        &SSM_HYBRID,
+    )
+}
+
+/// "a" computes a prompt of 5 blocks and 4 tokens the way vLLM's align mode chunks it:
+/// 48 tokens, then 32 (to the last block boundary), then the 4-token tail. Its Mamba
+/// table holds a state block only where a chunk ended on a block boundary (blocks 2 and
+/// 4), the null block elsewhere. Copies outlive the step (stores before the forward).
+/// Returns the stores' (GPU block, group) pairs, each store completed.
+fn ssm_prompt_before_forward(p: &mut Planner, h: &[BlockHash]) -> Vec<(u32, u32)> {
+    let tokens = 5 * BS + 4;
+    let mut stored = Vec::new();
+    let mut record = |p: &mut Planner, plan: StepPlan, held: &[u32]| {
+        assert_eq!(
+            plan.held_gpu_blocks, held,
+            "Mamba states vLLM frees are held"
+        );
+        if let Some(store) = plan.store {
+            stored.extend(store.gpu_blocks.iter().copied().zip(store.groups.clone()));
+            complete_on_every_rank(p, store.id);
+        }
+    };
+    p.lookup("a", h, tokens + 1, 0).unwrap();
+    let (f, m): (&[u32], &[u32]) = (&[10, 11, 12], &[NULL, NULL, 32]);
+    p.on_alloc_groups("a", &[f, m], 0, 0).unwrap();
+    let plan = step(p, [sched("a", ScheduleKind::New, 0, 3 * BS, &[f, m], h)]);
+    record(p, plan, &[]);
+    let added: [&[u32]; 2] = [&[13, 14], &[NULL, 34]];
+    let plan = step(
+        p,
+        [sched("a", ScheduleKind::Running, 3 * BS, 2 * BS, &added, h)],
+    );
+    record(p, plan, &[32]);
+    let added: [&[u32]; 2] = [&[15], &[35]];
+    let plan = step(p, [sched("a", ScheduleKind::Running, 5 * BS, 4, &added, h)]);
+    record(p, plan, &[34]);
+    // Finished mid-block: block 5 holds a running state, never stored.
+    p.request_finished("a", h, tokens + 1).unwrap();
+    let plan = step(p, std::iter::empty::<Sched<'_>>());
+    record(p, plan, &[]);
+    stored
+}
+
+#[test]
+fn a_mamba_group_stores_only_the_states_where_chunks_ended_on_a_block_boundary() {
+    let mut p = ssm_hybrid(false);
+    let h = chained(None, 0..5);
+    let stored = ssm_prompt_before_forward(&mut p, &h);
+    assert_eq!(
+        stored,
+        vec![
+            (10, 0),
+            (11, 0),
+            (12, 0),
+            (32, 1),
+            (13, 0),
+            (14, 0),
+            (34, 1)
+        ]
+    );
+}
+
+#[test]
+fn a_mamba_hit_needs_only_the_state_at_its_end_and_loads_it_where_vllm_allocated_it() {
+    let mut p = ssm_hybrid(false);
+    let h = chained(None, 0..5);
+    ssm_prompt_before_forward(&mut p, &h);
+    // "c" shares 4 blocks: full attention has them all, but the state after 4 blocks was
+    // never written (a chunk ran past it); the state after 3 blocks was.
+    let mut c = h[..4].to_vec();
+    c.extend(chained(Some(h[3]), 100..102));
+    assert_eq!(p.lookup("c", &c, 6 * BS + 1, 0).unwrap(), 3 * BS);
+    // The same prompt hits all 5 blocks. vLLM allocates the Mamba group one block, the
+    // one ending at the hit, and nulls the rest: the load fills that block only.
+    assert_eq!(p.lookup("b", &h, 5 * BS + 5, 0).unwrap(), 5 * BS);
+    let (f, m): (&[u32], &[u32]) = (&[50, 51, 52, 53, 54], &[NULL, NULL, NULL, NULL, 74]);
+    p.on_alloc_groups("b", &[f, m], 0, 5 * BS).unwrap();
+    let plan = step(
+        &mut p,
+        [sched("b", ScheduleKind::New, 5 * BS, 0, &[f, m], &h)],
+    );
+    let load = &plan.loads[0];
+    assert!(load.valid);
+    assert_eq!(load.gpu_blocks, vec![50, 51, 52, 53, 54, 74]);
+    let key = p.cache().pool().key(load.cpu_blocks[5]).unwrap();
+    assert_eq!((key.group, key.hash), (1, h[4]));
+}
+
+#[test]
+fn stores_after_the_forward_take_the_state_where_the_step_s_chunk_ended() {
+    let mut p = ssm_hybrid(true);
+    let h = chained(None, 0..5);
+    // A 48-token chunk: after its forward, block 2 holds the state at 48 and blocks 0
+    // and 1 are null.
+    let (f, m): (&[u32], &[u32]) = (&[10, 11, 12], &[NULL, NULL, 32]);
+    p.lookup("a", &h, 5 * BS + 5, 0).unwrap();
+    p.on_alloc_groups("a", &[f, m], 0, 0).unwrap();
+    let plan = step(
+        &mut p,
+        [sched("a", ScheduleKind::New, 0, 3 * BS, &[f, m], &h)],
+    );
+    let store = plan.store.unwrap();
+    assert_eq!(store.gpu_blocks, vec![10, 11, 12, 32]);
+    assert_eq!(store.groups, vec![0, 0, 0, 1]);
+    // The last chunk runs from 48 past the boundary at 80 to 84: block 4 is null (no
+    // chunk ended at 80) and block 5 a running state; neither is stored.
+    let added: [&[u32]; 2] = [&[13, 14, 15], &[NULL, NULL, 35]];
+    let plan = step(
+        &mut p,
+        [sched(
+            "a",
+            ScheduleKind::Running,
+            3 * BS,
+            2 * BS + 4,
+            &added,
+            &h,
+        )],
+    );
+    let store = plan.store.unwrap();
+    assert_eq!(store.gpu_blocks, vec![13, 14]);
+    assert_eq!(store.groups, vec![0, 0]);
+}
+
+#[test]
+fn a_mamba_only_model_hits_on_the_state_at_the_boundary() {
+    let mut p = Planner::with_groups(
+        PlannerConfig::new(BS as u32, 64).with_stores_after_forward(true),
+        &[GroupKind::Mamba],
+    );
+    let h = hashes(1, 4);
+    let m: &[u32] = &[NULL, NULL, NULL, 23];
+    p.lookup("a", &h, 4 * BS + 1, 0).unwrap();
+    let plan = step(&mut p, [sched("a", ScheduleKind::New, 0, 4 * BS, &[m], &h)]);
+    let store = plan.store.unwrap();
+    assert_eq!(store.gpu_blocks, vec![23]);
+    complete_on_every_rank(&mut p, store.id);
+    p.request_finished("a", &h, 4 * BS).unwrap();
+    assert_eq!(p.lookup("b", &h, 4 * BS + 1, 0).unwrap(), 4 * BS);
+    // A shorter prompt sharing 3 blocks finds no state after 3 blocks.
+    assert_eq!(p.lookup("c", &h[..3], 3 * BS + 1, 0).unwrap(), 0);
+    let table: &[u32] = &[NULL, NULL, NULL, 43];
+    p.on_alloc_groups("b", &[table], 0, 4 * BS).unwrap();
+    let plan = step(
+        &mut p,
+        [sched("b", ScheduleKind::New, 4 * BS, 1, &[table], &h)],
+    );
+    assert_eq!(plan.loads[0].gpu_blocks, vec![43]);
+}

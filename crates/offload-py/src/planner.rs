@@ -677,6 +677,7 @@ fn all_group_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
 fn group_kind(index: usize, kind: &str, window: Option<i64>) -> PyResult<GroupKind> {
     match (kind, window) {
         ("full_attention" | "mla_attention", _) => Ok(GroupKind::FullAttention),
+        ("mamba", _) => Ok(GroupKind::Mamba),
         ("sliding_window", Some(w)) => u32::try_from(w)
             .ok()
             .filter(|w| *w > 0)
@@ -688,7 +689,8 @@ fn group_kind(index: usize, kind: &str, window: Option<i64>) -> PyResult<GroupKi
             }),
         _ => Err(INVALID_INPUT_ERROR.err(format!(
             "Planner: group {index}: KV-cache group kind {kind:?} (window {window:?}) cannot \
-             be planned; kinds: full_attention, mla_attention, sliding_window with a window"
+             be planned; kinds: full_attention, mla_attention, sliding_window with a window, \
+             mamba"
         ))),
     }
 }

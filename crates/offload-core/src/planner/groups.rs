@@ -8,11 +8,19 @@
 //!   fall out of the window from a running request's table (its null block takes their
 //!   place), and allocates a request with a prefix hit of `T` tokens no block before the
 //!   window of `T`. So a hit ending at block `n` needs only the blocks inside that window,
-//!   and a block is stored only while the request still holds it.
+//!   and a block is stored only while the request still holds it;
+//! - Mamba (vLLM's `mamba_cache_mode="align"`: Mamba, Gated DeltaNet) keeps one state per
+//!   block: once a request has computed `(i + 1) * block_size` tokens, its block `i` holds
+//!   the state after exactly those tokens, written where a computed chunk ended (vLLM
+//!   ends prefill chunks on block boundaries for this). Blocks whose boundary no chunk
+//!   ended at are the null block, and vLLM frees a state once the next one is written.
+//!   So a hit ending at block `n` needs only block `n - 1` (the state at the hit
+//!   boundary), and a block is stored only at the step whose chunk ended on its
+//!   boundary: earlier it holds a running state, later it may be freed or null.
 //!
 //! A hit must be one every group can serve: its length is the longest `n` at which every
-//! full-attention group has all blocks after the GPU hit and every sliding-window group
-//! the blocks of its window. Loads copy every block vLLM allocated for the hit (and no
+//! full-attention group has all blocks after the GPU hit, every sliding-window group
+//! the blocks of its window and every Mamba group the state at `n`. Loads copy every block vLLM allocated for the hit (and no
 //! null block); a GPU block id names the same bytes whatever group owns it, so workers
 //! copy blocks without knowing their group.
 //!
@@ -42,6 +50,11 @@ pub enum GroupKind {
         /// `window - 1` computed ones.
         window: u32,
     },
+    /// One recurrent state per block, the state after the block's last token (vLLM's
+    /// Mamba-kind groups in `mamba_cache_mode="align"`, without speculative or
+    /// prefill-checkpoint blocks); a request holds the state of its last computed
+    /// block boundary only.
+    Mamba,
 }
 
 impl GroupKind {
@@ -53,7 +66,15 @@ impl GroupKind {
             Self::SlidingWindow { window } => {
                 tokens.saturating_sub((window as usize).saturating_sub(1)) / block_size.max(1)
             }
+            // vLLM keeps the state of the last computed token: the block ending at
+            // `tokens` if `tokens` is a block boundary, no earlier one.
+            Self::Mamba => tokens.saturating_sub(1) / block_size.max(1),
         }
+    }
+
+    /// Whether the group holds every block of a request, so a hit needs all of them.
+    fn keeps_every_block(self) -> bool {
+        self == Self::FullAttention
     }
 }
 
@@ -170,7 +191,8 @@ impl Planner {
     ///
     /// The load copies, in every group, each block vLLM allocated for the accepted
     /// tokens: all of them in full-attention groups, those inside the window of the
-    /// hit's end in sliding-window groups. If the scheduler accepted fewer tokens than
+    /// hit's end in sliding-window groups, the block ending at the hit's end in Mamba
+    /// groups (vLLM allocates that one, and nulls the earlier ones). If the scheduler accepted fewer tokens than
     /// offered, a sliding-window group's window moves before the pinned blocks; a block
     /// the hit did not pin makes the load invalid (reported failed, recomputed).
     pub fn on_alloc_groups<B: AsRef<[u32]>>(
@@ -292,7 +314,7 @@ impl Planner {
         let mut hs: Vec<BlockHash> = Vec::new();
         let mut end = limit;
         for (g, kind) in kinds.iter().enumerate() {
-            if *kind != GroupKind::FullAttention {
+            if !kind.keeps_every_block() {
                 continue;
             }
             let mut i = start;
@@ -320,22 +342,23 @@ impl Planner {
             hs.push(r.hash_at(hashes, i).map_err(bad)?);
         }
         hs.truncate(end.saturating_sub(start));
-        // Per sliding-window group, where the blocks found are; then the longest `n`
-        // whose window every group has.
+        // Per sliding-window or Mamba group, where the blocks found are; then the longest
+        // `n` whose window (or state at `n`) every group has.
         let found: Vec<Vec<Option<BlockId>>> = kinds
             .iter()
             .enumerate()
-            .map(|(g, kind)| match kind {
-                GroupKind::FullAttention => Vec::new(),
-                GroupKind::SlidingWindow { .. } => hs
-                    .iter()
+            .map(|(g, kind)| {
+                if kind.keeps_every_block() {
+                    return Vec::new();
+                }
+                hs.iter()
                     .map(|h| self.cache.get_ready(&BlockKey::new(group_id(g), *h)))
-                    .collect(),
+                    .collect()
             })
             .collect();
         let window_ok = |n: usize| {
             kinds.iter().zip(&found).all(|(kind, f)| {
-                *kind == GroupKind::FullAttention
+                kind.keeps_every_block()
                     || (start.max(kind.skipped_blocks(n * bs, bs))..n)
                         .all(|i| f[i - start].is_some())
             })
@@ -353,11 +376,13 @@ impl Planner {
         for (g, (kind, f)) in kinds.iter().zip(&found).enumerate() {
             let from = start.max(kind.skipped_blocks(n * bs, bs));
             let blocks: Vec<BlockId> = (from..n)
-                .filter_map(|i| match kind {
-                    GroupKind::FullAttention => self
-                        .cache
-                        .get_ready(&BlockKey::new(group_id(g), hs[i - start])),
-                    GroupKind::SlidingWindow { .. } => f[i - start],
+                .filter_map(|i| {
+                    if kind.keeps_every_block() {
+                        self.cache
+                            .get_ready(&BlockKey::new(group_id(g), hs[i - start]))
+                    } else {
+                        f[i - start]
+                    }
                 })
                 .collect();
             hit.groups.push(GroupHit { from, blocks });
@@ -381,7 +406,10 @@ fn group_id(g: usize) -> u32 {
 
 /// [`super::select::select_eager`] for every group of a multi-group request: per group,
 /// its blocks from where it stopped (and from the first block it still holds) up to
-/// `confirmed`. With `hold`, sliding-window blocks go to the store's held blocks.
+/// `confirmed`; in a Mamba group only the block ending where the last computed chunk
+/// ended (`Request::state_tokens`), if that is a block boundary: every other block of
+/// the range is null, a running state or freed. With `hold`, blocks of groups that
+/// free blocks from running requests go to the store's held blocks.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn select_groups(
     req: &str,
@@ -400,7 +428,11 @@ pub(super) fn select_groups(
     r.groups.resize_with(kinds.len(), GroupBlocks::default);
     for (g, (kind, gb)) in kinds.iter().zip(r.groups.iter_mut()).enumerate() {
         let upto = confirmed.min(gb.gpu_blocks.len());
-        let from = gb.stored_upto.max(kind.skipped_blocks(r.alloc_tokens, bs));
+        let held_from = match kind {
+            GroupKind::Mamba => r.state_tokens,
+            _ => r.alloc_tokens,
+        };
+        let from = gb.stored_upto.max(kind.skipped_blocks(held_from, bs));
         for i in from..upto {
             let key = BlockKey::new(group_id(g), r.hashes[i]);
             if cache.contains(&key) {
@@ -420,7 +452,7 @@ pub(super) fn select_groups(
             });
             pending.push_group(group_id(g));
             pending.gpu_blocks.push(gpu);
-            if hold && *kind != GroupKind::FullAttention {
+            if hold && !kind.keeps_every_block() {
                 pending.held.push(gpu);
             }
             selected = true;

@@ -210,6 +210,9 @@ impl Planner {
             None => Selector::Single,
         };
         if !self.cfg.lazy && confirmed > sel.stored_upto(&r) {
+            // Its last chunk ran to `num_computed_tokens`: where Mamba groups last wrote
+            // a state.
+            r.state_tokens = num_computed_tokens;
             match r.sync(hashes, confirmed, &mut self.cache, &mut self.stats) {
                 Ok(usable) => {
                     // A multi-group request's last allocation freed what it no longer

@@ -57,6 +57,11 @@ pub(super) struct Request {
     /// Multi-group planners: tokens computed when the server last allocated for the
     /// request, which decides what sliding-window groups still hold.
     pub(super) alloc_tokens: usize,
+    /// Multi-group planners: tokens through which the request's last computed chunk
+    /// ran (before this step's forward, or after it with
+    /// [`stores_after_forward`](super::PlannerConfig::stores_after_forward)): where
+    /// Mamba groups last wrote a state.
+    pub(super) state_tokens: usize,
 }
 
 /// A request that finished while transfers still used its GPU blocks: reported to the

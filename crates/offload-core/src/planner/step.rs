@@ -128,6 +128,12 @@ impl Planner {
             let req_id = s.req_id;
             let r = live_entry(&mut self.requests, &mut self.next_serial, req_id);
             s.gpu_blocks.record(r, s.kind, s.num_computed_tokens, kinds);
+            r.state_tokens = s.num_computed_tokens
+                + if after_forward {
+                    s.num_scheduled_tokens
+                } else {
+                    0
+                };
             if s.kind != ScheduleKind::Running && !after_forward {
                 continue;
             }
