@@ -381,18 +381,20 @@ class GpuBlockHolder:
         removed = 0
         for i in block_ids:
             block = blocks[i]
-            if block.ref_cnt == 0 and not block.is_null:
-                prev = block.prev_free_block
-                nxt = block.next_free_block
-                if prev is None or nxt is None:
-                    raise RuntimeError(f"kvoffload: GPU block {i} is not in the free queue")
-                prev.next_free_block = nxt
-                nxt.prev_free_block = prev
-                block.prev_free_block = block.next_free_block = None
-                if block is cursor:
-                    cursor = None if prev is head else prev
-                removed += 1
-            block.ref_cnt += 1
+            if block.ref_cnt or block.is_null:
+                block.ref_cnt += 1
+                continue
+            prev = block.prev_free_block
+            nxt = block.next_free_block
+            if prev is None or nxt is None:
+                raise RuntimeError(f"kvoffload: GPU block {i} is not in the free queue")
+            prev.next_free_block = nxt
+            nxt.prev_free_block = prev
+            block.prev_free_block = block.next_free_block = None
+            block.ref_cnt = 1
+            if block is cursor:
+                cursor = None if prev is head else prev
+            removed += 1
         queue.num_free_blocks -= removed
         return cursor
 
@@ -493,15 +495,17 @@ class FreeQueueWalker:
         if node is tail:
             # Most calls: nothing joined the queue since the previous walk.
             return ids, hashes
-        seen = 0
-        while node is not None and node is not tail and seen < limit:
+        add_id, add_hash = ids.append, hashes.append
+        # A burst of freed blocks is a few hundred nodes: the loop body is kept minimal.
+        for _ in range(limit):
+            if node is tail or node is None:
+                break
             h = node._block_hash
             if h is not None and not node.is_null:
-                ids.append(node.block_id)
-                hashes.append(h)  # with the 4-byte group id: the planner drops it
+                add_id(node.block_id)
+                add_hash(h)  # with the 4-byte group id: the planner drops it
             cursor = node
             node = node.next_free_block
-            seen += 1
         self._cursor = cursor
         return ids, hashes
 
