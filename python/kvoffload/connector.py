@@ -156,6 +156,18 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             groups=kv_group_kinds(kv_cache_config),
             remote_layout=layout,
         )
+        # vLLM calls these every step: bound straight to the scheduler, a call skips this
+        # class's forwarding frame. A subclass that overrides one keeps its override.
+        sched = self._scheduler
+        for name, target in (
+            ("get_num_new_matched_tokens", sched.get_num_new_matched_tokens),
+            ("update_state_after_alloc", sched.update_state_after_alloc),
+            ("build_connector_meta", sched.build_connector_meta),
+            ("update_connector_output", sched.update_connector_output),
+            ("get_kv_connector_stats", sched.stats),
+        ):
+            if getattr(type(self), name) is getattr(KVOffloadConnector, name):
+                setattr(self, name, target)
         logger.info(
             "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
             num_cpu_blocks,
