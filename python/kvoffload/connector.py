@@ -165,6 +165,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             ("build_connector_meta", sched.build_connector_meta),
             ("update_connector_output", sched.update_connector_output),
             ("get_kv_connector_stats", sched.stats),
+            # Without KV events there is never anything to take.
+            ("take_events", list if sched.event_log is None else sched.take_events),
         ):
             if getattr(type(self), name) is getattr(KVOffloadConnector, name):
                 setattr(self, name, target)
