@@ -96,11 +96,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             logger.error(msg)
             raise ConfigError(msg)
         self._group_ids = tuple(range(num_kv_groups(kv_cache_config)))
-        if len(set(kv_group_block_sizes(kv_cache_config))) > 1:
+        sizes = kv_group_block_sizes(kv_cache_config, vllm_config)
+        if len(set(sizes)) > 1:
             msg = (
                 f"KVOffloadConnector cannot offload model {model_name(vllm_config)}: its "
-                f"KV-cache groups use different block sizes "
-                f"({kv_group_block_sizes(kv_cache_config)}); kvoffload plans one block size"
+                f"KV-cache groups use different block sizes ({sizes}); kvoffload plans one "
+                "block size"
             )
             logger.error(msg)
             raise ConfigError(msg)

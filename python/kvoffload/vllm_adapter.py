@@ -249,9 +249,16 @@ def kv_group_kinds(kv_cache_config: Any) -> list[tuple[str, int | None]]:
     return out
 
 
-def kv_group_block_sizes(kv_cache_config: Any) -> list[int]:
-    """Tokens per block of each KV-cache group."""
-    return [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+def kv_group_block_sizes(kv_cache_config: Any, vllm_config: Any) -> list[int]:
+    """Tokens per block of each KV-cache group as vLLM's scheduler sees them (a group
+    sharded by decode context parallelism spans ``block_size x dcp`` tokens, a Mamba
+    state is not sharded)."""
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    return [
+        int(g.kv_cache_spec.block_size)
+        * (dcp if getattr(g.kv_cache_spec, "dcp_sharded", False) else 1)
+        for g in kv_cache_config.kv_cache_groups
+    ]
 
 
 def block_size(kv_cache_config: Any, vllm_config: Any) -> int:
