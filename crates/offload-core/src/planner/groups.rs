@@ -20,9 +20,9 @@
 //!
 //! A hit must be one every group can serve: its length is the longest `n` at which every
 //! full-attention group has all blocks after the GPU hit, every sliding-window group
-//! the blocks of its window and every Mamba group the state at `n`. Loads copy every block vLLM allocated for the hit (and no
-//! null block); a GPU block id names the same bytes whatever group owns it, so workers
-//! copy blocks without knowing their group.
+//! the blocks of its window and every Mamba group the state at `n`. Loads copy every
+//! block vLLM allocated for the hit (and no null block); a GPU block id names the same
+//! bytes whatever group owns it, so workers copy blocks without knowing their group.
 //!
 //! The single-group planner ([`Planner::new`]) never comes here.
 
@@ -192,9 +192,10 @@ impl Planner {
     /// The load copies, in every group, each block vLLM allocated for the accepted
     /// tokens: all of them in full-attention groups, those inside the window of the
     /// hit's end in sliding-window groups, the block ending at the hit's end in Mamba
-    /// groups (vLLM allocates that one, and nulls the earlier ones). If the scheduler accepted fewer tokens than
-    /// offered, a sliding-window group's window moves before the pinned blocks; a block
-    /// the hit did not pin makes the load invalid (reported failed, recomputed).
+    /// groups (vLLM allocates that one, and nulls the earlier ones). If the scheduler
+    /// accepted fewer tokens than offered, a sliding-window group's window moves before
+    /// the pinned blocks; a block the hit did not pin makes the load invalid (reported
+    /// failed, recomputed).
     pub fn on_alloc_groups<B: AsRef<[u32]>>(
         &mut self,
         req: &str,

@@ -165,9 +165,10 @@ impl Planner {
     /// request computes in this very step (vLLM hashes blocks when it allocates them), so
     /// they are confirmed from its next step on. With
     /// [`PlannerConfig::stores_after_forward`] the store runs after this step's forward
-    /// pass, so the blocks this step fills are confirmed already, first step included. In lazy mode, `lazy_candidates` (GPU
-    /// blocks about to be evicted, least recently used first) are stored instead, and
-    /// the plan's `held_gpu_blocks` says which ones the caller must keep.
+    /// pass, so the blocks this step fills are confirmed already, first step included.
+    /// In lazy mode, `lazy_candidates` (GPU blocks about to be evicted, least recently
+    /// used first) are stored instead, and the plan's `held_gpu_blocks` says which ones
+    /// the caller must keep.
     ///
     /// Hashes are read only for requests with newly confirmed blocks. A hash that cannot
     /// be read is an error naming it; the other requests of the step are recorded, and
