@@ -33,6 +33,8 @@ step "copy runs per step by vLLM KV layout"
 
 step "scheduler: SimpleCPUOffloadConnector vs kvoffload"
 "$PY" benches/compare_scheduler.py "${smoke[@]}" --quiet --json "$OUT/compare_scheduler.json"
+"$PY" benches/compare_scheduler.py "${smoke[@]}" --trace churn --quiet \
+    --json "$OUT/compare_scheduler_churn.json"
 
 step "end to end: real vLLM engine"
 "$PY" benches/e2e.py "${smoke[@]}" --json "$OUT/e2e.json"
