@@ -168,7 +168,7 @@ def hybrid(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: 
     one sliding and one full layer) and its outputs without kvoffload (vLLM's hybrid
     allocator on), computed twice to show they are deterministic."""
     from tiny_model import build_sliding_window_llama, build_tiny_gemma3
-    from vllm_harness import engine, generate, shared_prefix_prompts
+    from vllm_harness import shared_prefix_prompts
 
     path = tmp_path_factory.mktemp("hybrid") / "m"
     layer_types = request.param
@@ -178,19 +178,44 @@ def hybrid(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: 
     else:
         model = build_sliding_window_llama(tiny_model, path, layer_types)
     prompts = shared_prefix_prompts(**HYBRID_PROMPTS_ARGS)
-    with engine(model, **HYBRID_ENGINE_ARGS) as llm:
+    return model, prompts, reference_outputs(model, prompts, HYBRID_ENGINE_ARGS), layer_types
+
+
+def reference_outputs(
+    model: Path, prompts: list[list[int]], engine_args: dict[str, Any]
+) -> list[list[int]]:
+    """The outputs of ``model`` without kvoffload (vLLM's hybrid allocator on), computed
+    twice to show they are deterministic."""
+    from vllm_harness import engine, generate
+
+    with engine(model, **engine_args) as llm:
         reference = generate(llm, prompts)
         assert llm.reset_prefix_cache()
         assert generate(llm, prompts) == reference
-    return model, prompts, reference, layer_types
+    return reference
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any, lazy: bool) -> None:
-    """With kvoffload selected vLLM keeps its hybrid allocator (sliding-window groups hold
-    only their window); outputs under eviction and after the GPU prefix cache is dropped
-    (every prefix then loads from CPU, sliding-window groups only their window) equal the
-    engine without kvoffload."""
+#: The spec class vLLM builds for each layer type of the tiny models.
+SPECS = {
+    "sliding_attention": "SlidingWindowSpec",
+    "full_attention": "FullAttentionSpec",
+    "linear_attention": "MambaSpec",
+}
+
+
+def check_hybrid_engine(
+    model: Path,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    layer_types: list[str],
+    engine_args: dict[str, Any],
+    *,
+    lazy: bool,
+) -> tuple[int, int, dict[str, int]]:
+    """With kvoffload selected vLLM keeps its hybrid allocator and builds one group kind
+    per layer type; outputs under eviction and after the GPU prefix cache is dropped
+    (every prefix then loads from CPU) equal ``reference``. Returns the CPU hit tokens
+    after the first pass and after the second, and the planner's counters."""
     from vllm_harness import (
         cpu_hit_tokens,
         drain,
@@ -203,14 +228,14 @@ def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any, lazy
         worker_connector,
     )
 
-    model, prompts, reference, layer_types = hybrid
-    with engine(model, offload_config(lazy_offload=lazy), **HYBRID_ENGINE_ARGS) as llm:
+    with engine(model, offload_config(lazy_offload=lazy), **engine_args) as llm:
         core = llm.llm_engine.engine_core.engine_core
         assert core.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
         groups = core.scheduler.kv_cache_config.kv_cache_groups
         kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        expected = {"sliding_attention": "SlidingWindowSpec", "full_attention": "FullAttentionSpec"}
-        assert kinds == sorted({expected[t] for t in layer_types})
+        assert kinds == sorted({SPECS[t] for t in layer_types})
+        if "MambaSpec" in kinds:
+            assert core.vllm_config.cache_config.mamba_cache_mode == "align"
         # The groups' layers overlay one allocation: a CPU block is one block id's bytes,
         # sized the same by the scheduler and the worker.
         planner = scheduler_connector(llm).offload_scheduler.planner
@@ -221,8 +246,31 @@ def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any, lazy
         drain(llm)
         reset_gpu_prefix_cache(llm)
         assert generate(llm, prompts) == reference
-        hits = cpu_hit_tokens(llm)
-        stats = planner_stats(llm)
+        return evicting, cpu_hit_tokens(llm), planner_stats(llm)
+
+
+def check_reacts_to_cpu_blocks(
+    model: Path, prompts: list[list[int]], reference: list[list[int]], engine_args: dict[str, Any]
+) -> None:
+    """Guards the equality checks: corrupting the CPU copies changes the output."""
+    from vllm_harness import drain, engine, generate, offload_config, reset_gpu_prefix_cache
+
+    with engine(model, offload_config(), **engine_args) as llm:
+        assert generate(llm, prompts) == reference
+        drain(llm)
+        reset_gpu_prefix_cache(llm)
+        corrupt_cpu_blocks()
+        assert generate(llm, prompts) != reference
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_windowed_model_keeps_the_hybrid_allocator_and_matches(hybrid: Any, lazy: bool) -> None:
+    """Sliding-window groups hold only their window on the GPU and load only it from CPU;
+    the engine matches vLLM without kvoffload (``check_hybrid_engine``)."""
+    model, prompts, reference, layer_types = hybrid
+    evicting, hits, stats = check_hybrid_engine(
+        model, prompts, reference, layer_types, HYBRID_ENGINE_ARGS, lazy=lazy
+    )
     if "full_attention" in layer_types and not lazy:
         # Full-attention prefixes outgrow the GPU cache; a sliding-only model keeps just
         # the windows there, which fit, so its CPU hits come after the reset.
@@ -299,17 +347,9 @@ def corrupt_cpu_blocks() -> None:
 
 
 def test_windowed_model_reacts_to_its_cpu_blocks(hybrid: Any) -> None:
-    """Guards the equality test: corrupting the CPU copies changes the output (for the
-    sliding-only model, every loaded block is a sliding-window block)."""
-    from vllm_harness import drain, engine, generate, offload_config, reset_gpu_prefix_cache
-
+    """For the sliding-only model, every loaded block is a sliding-window block."""
     model, prompts, reference, _ = hybrid
-    with engine(model, offload_config(), **HYBRID_ENGINE_ARGS) as llm:
-        assert generate(llm, prompts) == reference
-        drain(llm)
-        reset_gpu_prefix_cache(llm)
-        corrupt_cpu_blocks()
-        assert generate(llm, prompts) != reference
+    check_reacts_to_cpu_blocks(model, prompts, reference, HYBRID_ENGINE_ARGS)
 
 
 #: Eight 1500-token system prompts cycling through requests admitted two at a time. vLLM
@@ -336,60 +376,25 @@ def ssm_hybrid(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, reque
     and its outputs without kvoffload (hybrid allocator on, vLLM's own prefix cache of
     states), computed twice to show they are deterministic."""
     from tiny_model import build_tiny_qwen3_next
-    from vllm_harness import engine, generate, shared_prefix_prompts
+    from vllm_harness import shared_prefix_prompts
 
     layer_types = request.param
     path = tmp_path_factory.mktemp("ssm") / "m"
     model = build_tiny_qwen3_next(path, tiny_model, layer_types=layer_types)
     prompts = shared_prefix_prompts(**SSM_PROMPTS_ARGS)
-    with engine(model, **SSM_ENGINE_ARGS) as llm:
-        reference = generate(llm, prompts)
-        assert llm.reset_prefix_cache()
-        assert generate(llm, prompts) == reference
-    return model, prompts, reference, layer_types
+    return model, prompts, reference_outputs(model, prompts, SSM_ENGINE_ARGS), layer_types
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_ssm_hybrid_keeps_the_hybrid_allocator_and_matches(ssm_hybrid: Any, lazy: bool) -> None:
-    """With kvoffload selected vLLM keeps its hybrid allocator; the Gated DeltaNet layers
-    form a Mamba-kind group whose hits load the state at the hit boundary. Outputs under
-    eviction and after the GPU prefix cache is dropped (every prefix then loads from CPU)
-    equal the engine without kvoffload. Loads are asynchronous even where vLLM keeps KV
-    in host memory: vLLM copies the hit state before a step's forward, where a
-    synchronous load would run."""
-    from vllm_harness import (
-        cpu_hit_tokens,
-        drain,
-        engine,
-        generate,
-        offload_config,
-        planner_stats,
-        reset_gpu_prefix_cache,
-        scheduler_connector,
-        worker_connector,
-    )
-
+    """The Gated DeltaNet layers form a Mamba-kind group whose hits load the state at the
+    hit boundary; the engine matches vLLM without kvoffload (``check_hybrid_engine``).
+    Loads are asynchronous even where vLLM keeps KV in host memory: vLLM copies the hit
+    state before a step's forward, where a synchronous load would run."""
     model, prompts, reference, layer_types = ssm_hybrid
-    with engine(model, offload_config(lazy_offload=lazy), **SSM_ENGINE_ARGS) as llm:
-        core = llm.llm_engine.engine_core.engine_core
-        assert core.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
-        assert core.vllm_config.cache_config.mamba_cache_mode == "align"
-        groups = core.scheduler.kv_cache_config.kv_cache_groups
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        expected = {"linear_attention": "MambaSpec", "full_attention": "FullAttentionSpec"}
-        assert kinds == sorted({expected[t] for t in layer_types})
-        offload = scheduler_connector(llm).offload_scheduler
-        assert offload.planner.num_groups == len(groups)
-        assert offload.planner.num_cpu_blocks == (
-            worker_connector().offload_worker.engine.num_cpu_blocks
-        )
-        assert generate(llm, prompts) == reference
-        evicting = cpu_hit_tokens(llm)
-        drain(llm)
-        reset_gpu_prefix_cache(llm)
-        assert generate(llm, prompts) == reference
-        hits = cpu_hit_tokens(llm)
-        stats = planner_stats(llm)
+    evicting, hits, stats = check_hybrid_engine(
+        model, prompts, reference, layer_types, SSM_ENGINE_ARGS, lazy=lazy
+    )
     if "full_attention" in layer_types:
         # Full-attention prefixes outgrow the GPU cache; the GDN-only model's states fit.
         assert evicting > 0
@@ -412,17 +417,9 @@ def test_ssm_hybrid_in_multiprocess_mode(ssm_hybrid: Any) -> None:
 
 
 def test_ssm_hybrid_reacts_to_its_cpu_blocks(ssm_hybrid: Any) -> None:
-    """Guards the equality test: corrupting the CPU copies changes the output (for the
-    GDN-only model every CPU block is a recurrent state)."""
-    from vllm_harness import drain, engine, generate, offload_config, reset_gpu_prefix_cache
-
+    """For the GDN-only model every CPU block is a recurrent state."""
     model, prompts, reference, _ = ssm_hybrid
-    with engine(model, offload_config(), **SSM_ENGINE_ARGS) as llm:
-        assert generate(llm, prompts) == reference
-        drain(llm)
-        reset_gpu_prefix_cache(llm)
-        corrupt_cpu_blocks()
-        assert generate(llm, prompts) != reference
+    check_reacts_to_cpu_blocks(model, prompts, reference, SSM_ENGINE_ARGS)
 
 
 def test_ssm_hybrid_refuses_synchronous_loads(ssm_hybrid: Any) -> None:
