@@ -4,6 +4,8 @@ input, the planner and the transfer engine without vLLM."""
 from __future__ import annotations
 
 import struct
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -199,6 +201,62 @@ def test_planner_stats_report_says_each_change_once() -> None:
     p.schedule([], [], [], ["a"], [64], [None], set(), {"a": hashes})
     # Four blocks are being written: in use, not yet stored.
     assert p.take_stats_report() == ({"store_blocks": 4}, {"cpu_blocks_used": 4})
+
+
+def _scheduler_output(new: list[Any], cached: Any, scheduled: dict[str, int]) -> Any:
+    return SimpleNamespace(
+        scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled
+    )
+
+
+def test_planner_reads_vllm_scheduler_output() -> None:
+    """``schedule_output`` reads vLLM's ``SchedulerOutput`` as ``schedule`` reads lists:
+    the same plan, ``num_scheduled_tokens`` only with ``after_forward``, and resumed
+    requests from either vLLM spelling."""
+    hashes = [bytes([i]) * 32 for i in range(1, 5)]
+    gpu = [10, 11, 12, 13, 14]
+    new = [SimpleNamespace(req_id="a", num_computed_tokens=0, block_ids=(gpu,))]
+    no_cached = SimpleNamespace(
+        req_ids=[], num_computed_tokens=[], new_block_ids=[], resumed_req_ids=set()
+    )
+    p = _native.Planner(16, 64, stores_after_forward=True)
+    # After the forward pass, a new request's first step confirms what it computes.
+    _, store, _, _, _ = p.schedule_output(
+        _scheduler_output(new, no_cached, {"a": 64}), {"a": hashes}, after_forward=True
+    )
+    assert store is not None
+    assert store[1] == ids(10, 11, 12, 13)
+
+    # vLLM < 0.11: resumed requests are flagged beside the ids.
+    old_cached = SimpleNamespace(
+        req_ids=["b"],
+        num_computed_tokens=[0],
+        new_block_ids=[(gpu,)],
+        resumed_from_preemption=[True],
+    )
+    q = _native.Planner(16, 64)
+    first = [SimpleNamespace(req_id="b", num_computed_tokens=0, block_ids=([1, 2, 3, 4, 5],))]
+    q.schedule_output(_scheduler_output(first, no_cached, {"b": 16}), {"b": hashes})
+    # Preempted before any block was stored, then resumed in other blocks.
+    q.schedule_output(_scheduler_output([], old_cached, {"b": 16}), {"b": hashes})
+    running = SimpleNamespace(
+        req_ids=["b"], num_computed_tokens=[64], new_block_ids=[None], resumed_req_ids=set()
+    )
+    _, store, _, _, _ = q.schedule_output(_scheduler_output([], running, {}), {"b": hashes})
+    # Its table is the resumed one: the blocks it computed there are stored.
+    assert store is not None
+    assert store[1] == ids(10, 11, 12, 13)
+
+    bad = SimpleNamespace(
+        req_ids=("b",), num_computed_tokens=[64], new_block_ids=[None], resumed_req_ids=set()
+    )
+    with pytest.raises(kvoffload.InvalidInputError, match="req_ids must be a list"):
+        q.schedule_output(_scheduler_output([], bad, {}), {"b": hashes})
+    missing = _scheduler_output([], running, {})
+    with pytest.raises(kvoffload.InvalidInputError, match="no entry for request b"):
+        _native.Planner(16, 64, stores_after_forward=True).schedule_output(
+            missing, {"b": hashes}, after_forward=True
+        )
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,20 @@ class Planner:
         ``store_sources`` says for each stored block its request's index in the store's
         ``req_ids`` and its block position (``None``: a lazy candidate); with several
         KV-cache groups, ``store_groups`` says each stored block's group."""
+    def schedule_output(
+        self,
+        scheduler_output: Any,
+        hash_lists: Mapping[str, Sequence[bytes]],
+        lazy_gpu_block_ids: list[int] | None = None,
+        lazy_block_hashes: list[bytes] | None = None,
+        strip: int = 0,
+        after_forward: bool = False,
+    ) -> tuple[
+        list[_LoadTuple], _StoreTuple | None, list[int], list[tuple[int, int] | None], list[int]
+    ]:
+        """``schedule`` for vLLM: the request lists are read from its ``SchedulerOutput``
+        (``scheduled_new_reqs``, ``scheduled_cached_reqs``, and ``num_scheduled_tokens``
+        with ``after_forward``, for planners whose stores run after the forward pass)."""
     def request_finished(
         self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int
     ) -> bool: ...

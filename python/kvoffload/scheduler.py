@@ -16,8 +16,6 @@ from kvoffload.vllm_adapter import (
     allocated_block_ids_per_group,
     allocated_blocks,
     logger,
-    preempted_ids,
-    scheduled_lists,
     skips_prefix_cache,
 )
 
@@ -59,7 +57,7 @@ class OffloadScheduler:
         self._config = config
         self._remote_layout = remote_layout if config.remote is not None else None
         self._remote_writes = self._remote_layout is not None and bool(config.remote["write"])
-        self._planner = self._new_planner(num_cpu_blocks)
+        self._use_planner(self._new_planner(num_cpu_blocks))
         # Several groups: vLLM's block ids of every group go to the planner.
         self._multi_group = self._planner.num_groups > 1 or (
             groups is not None and groups[0][0] not in FULL_KINDS
@@ -87,6 +85,9 @@ class OffloadScheduler:
         #: With events on: GPU block id -> hash of blocks offered since the last plan.
         self._offered: dict[int, bytes] = {}
         self._stats = CounterDeltas()
+        if not self._lazy:
+            # Nothing is offered between steps: vLLM's per-step call goes to the reports.
+            self.update_connector_output = self._apply_reports
 
     @property
     def planner(self) -> Planner:
@@ -108,7 +109,13 @@ class OffloadScheduler:
                 f"kvoffload: cannot resize the CPU pool to {num_cpu_blocks} blocks once "
                 "requests were planned"
             )
-        self._planner = self._new_planner(num_cpu_blocks)
+        self._use_planner(self._new_planner(num_cpu_blocks))
+
+    def _use_planner(self, planner: Planner) -> None:
+        self._planner = planner
+        # Fixed for a planner's life; read every step.
+        self._reads_requests = planner.reads_scheduled_requests
+        self._has_remote = planner.has_remote
 
     def _new_planner(self, num_cpu_blocks: int) -> Planner:
         planner = Planner(self._block_size, num_cpu_blocks, **self._planner_args)
@@ -167,22 +174,25 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         after_forward = self._stores_after_forward
-        if self._planner.reads_scheduled_requests:
-            *lists, preempted, num_scheduled = scheduled_lists(scheduler_output)
-        else:
-            lists, num_scheduled = NO_REQUESTS, None
-            preempted = preempted_ids(scheduler_output)
+        planner = self._planner
         lazy_ids = lazy_hashes = None
-        if self._lazy and self._walker is not None:
+        if self._walker is not None:
             lazy_ids, lazy_hashes = self._walker.candidates(self._lazy_limit)
-        loads, store, held, sources, groups = self._planner.schedule(
-            *lists,
-            self._hash_lists,
-            lazy_ids,
-            lazy_hashes,
-            GROUP_ID_BYTES,
-            num_scheduled if after_forward else None,
-        )
+        if self._reads_requests:
+            loads, store, held, sources, groups = planner.schedule_output(
+                scheduler_output,
+                self._hash_lists,
+                lazy_ids,
+                lazy_hashes,
+                GROUP_ID_BYTES,
+                after_forward,
+            )
+        else:
+            loads, store, held, sources, groups = planner.schedule(
+                *NO_REQUESTS, self._hash_lists, lazy_ids, lazy_hashes, GROUP_ID_BYTES
+            )
+        preempted = scheduler_output.preempted_req_ids
+        preempted = list(preempted) if preempted else []
         if self._events is not None:
             if store is not None:
                 requests = self._requests if not self._finished else self._finished_first()
@@ -196,17 +206,18 @@ class OffloadScheduler:
             holder = self._walker or self._holder
             if holder is not None:
                 holder.hold(held)
-        meta = KVOffloadMetadata(loads=loads, preempted_req_ids=preempted)
         if after_forward:
-            meta.store_after_forward = store
+            meta = KVOffloadMetadata(
+                loads=loads, store_after_forward=store, preempted_req_ids=preempted
+            )
         else:
-            meta.store = store
-        if self._planner.has_remote:
-            meta.fetches = self._planner.take_fetches()
+            meta = KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=preempted)
+        if self._has_remote:
+            meta.fetches = planner.take_fetches()
             if meta.fetches and self._events is not None:
                 self._events.fetch_issued(meta.fetches, self._requests)
         if self._remote_writes and store is not None:
-            meta.store_hashes = self._planner.block_hashes(store[2])
+            meta.store_hashes = planner.block_hashes(store[2])
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -501,6 +501,31 @@ fn lazy_blocks_offered_between_steps_join_the_next_store() {
 }
 
 #[test]
+fn lazy_stores_after_the_forward_pass_hold_only_offered_blocks() {
+    let k = |h| key(BlockHash(h));
+    let none = Vec::<common::planner::Sched<'_>>::new;
+    let mut p = Planner::new(
+        PlannerConfig::new(BS as u32, 4)
+            .with_lazy(true)
+            .with_stores_after_forward(true),
+    );
+    // Freed between steps: the next step may allocate them before its plan is built,
+    // so they are held from the offer on.
+    assert_eq!(p.offer_lazy([(7, k(1))]), vec![7]);
+    // Free while this step is planned: its forward pass writes none of them, and its
+    // store copies them before the next forward pass may. Nothing to hold.
+    let plan = p.schedule(none(), [(9, k(3)), (10, k(4))]).unwrap();
+    assert!(plan.held_gpu_blocks.is_empty());
+    let store = plan.store.unwrap();
+    assert_eq!(store.gpu_blocks, vec![7, 9, 10]);
+    p.complete(store.id, true).unwrap();
+    // Only what the caller holds is given back.
+    assert_eq!(p.take_completions().released_gpu_blocks, vec![7]);
+    let stats = p.stats();
+    assert_eq!(stats.stored_blocks, 3);
+}
+
+#[test]
 fn stored_events_chain_parents_and_removals_follow_evictions() {
     let mut p = planner(2, 1, false);
     let h = hashes(1, 2);

@@ -189,7 +189,12 @@ pub(crate) fn block_ids(seq: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>
         return Ok(Vec::new());
     }
     if let Ok(list) = seq.cast::<PyList>() {
-        return list.iter().map(|x| block_id(&x, what)).collect();
+        // Collecting a fallible iterator would grow the vector by doubling.
+        let mut out = Vec::with_capacity(list.len());
+        for x in list.iter() {
+            out.push(block_id(&x, what)?);
+        }
+        return Ok(out);
     }
     let iter = seq.try_iter().map_err(|_| {
         INVALID_INPUT_ERROR.err(format!(

@@ -6,6 +6,7 @@ mod config;
 mod convert;
 mod errors;
 mod planner;
+mod scheduler_output;
 mod tier;
 mod transfer;
 

@@ -15,6 +15,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyMapping, PyString, PyTuple};
 use crate::config::PyOffloadConfig;
 use crate::convert::{block_id, block_ids, count, type_name, MappedHashes, PyHashes};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
+use crate::scheduler_output::step_lists;
 use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of, tier_counters};
 use crate::transfer::ids_from_bytes;
 
@@ -340,10 +341,19 @@ impl PyPlanner {
             }
         };
         let scheduled_tokens = |name: &Bound<'py, PyString>| -> PyResult<usize> {
-            match num_scheduled_tokens {
-                Some(map) => count(map.get_item(name)?.extract()?, "num_scheduled_tokens"),
-                None => Ok(0),
-            }
+            let Some(map) = num_scheduled_tokens else {
+                return Ok(0);
+            };
+            // vLLM's is a dict: its lookup skips the generic mapping protocol.
+            let n = match map.cast::<PyDict>() {
+                Ok(dict) => dict.get_item(name)?.ok_or_else(|| {
+                    INVALID_INPUT_ERROR.err(format!(
+                        "num_scheduled_tokens has no entry for request {name}"
+                    ))
+                })?,
+                Err(_) => map.get_item(name)?,
+            };
+            count(n.extract()?, "num_scheduled_tokens")
         };
         for i in 0..new_req_ids.len() {
             let name = req_id(new_req_ids.get_item(i)?)?;
@@ -371,7 +381,10 @@ impl PyPlanner {
             rows.push((kind, nct, scheduled_tokens(&name)?, ids));
             names.push(name);
         }
-        let ids: Vec<&str> = names.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
+        let mut ids: Vec<&str> = Vec::with_capacity(names.len());
+        for name in &names {
+            ids.push(name.to_str()?);
+        }
         let plan = if multi {
             let tables = rows.into_iter().map(|(k, c, n, (_, all))| (k, c, n, all));
             let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
@@ -383,6 +396,47 @@ impl PyPlanner {
         }
         .map_err(plan_err)?;
         Ok(step_to_py(py, plan))
+    }
+
+    /// [`schedule`](Self::schedule) for vLLM: the request lists are read from its
+    /// `SchedulerOutput` (and its `num_scheduled_tokens` with `after_forward`, for
+    /// planners whose stores run after the forward pass).
+    #[pyo3(signature = (
+        scheduler_output, hash_lists, lazy_gpu_block_ids = None, lazy_block_hashes = None,
+        strip = 0, after_forward = false
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn schedule_output<'py>(
+        &mut self,
+        py: Python<'py>,
+        scheduler_output: &Bound<'py, PyAny>,
+        hash_lists: &Bound<'py, PyMapping>,
+        lazy_gpu_block_ids: Option<&Bound<'py, PyList>>,
+        lazy_block_hashes: Option<&Bound<'py, PyList>>,
+        strip: usize,
+        after_forward: bool,
+    ) -> PyResult<StepTuple<'py>> {
+        let l = step_lists(scheduler_output, after_forward)?;
+        let num_scheduled_tokens = l
+            .num_scheduled_tokens
+            .as_ref()
+            .map(|m| m.cast::<PyMapping>())
+            .transpose()?;
+        self.schedule(
+            py,
+            &l.new_req_ids,
+            &l.new_num_computed,
+            &l.new_block_ids,
+            &l.cached_req_ids,
+            &l.cached_num_computed,
+            &l.cached_new_block_ids,
+            &l.resumed_req_ids,
+            hash_lists,
+            lazy_gpu_block_ids,
+            lazy_block_hashes,
+            strip,
+            num_scheduled_tokens,
+        )
     }
 
     /// `req_id` finished; returns whether vLLM must keep its GPU blocks.

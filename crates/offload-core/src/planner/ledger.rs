@@ -121,12 +121,9 @@ impl Planner {
                 Vec::new()
             },
         };
-        let job_held = if pending.lazy {
-            pending.gpu_blocks
-        } else {
-            held_gpu_blocks.extend_from_slice(&pending.held);
-            pending.held
-        };
+        held_gpu_blocks.extend_from_slice(&pending.held);
+        let mut job_held = pending.offered;
+        job_held.extend_from_slice(&held_gpu_blocks);
         self.ledger.insert(
             id,
             Job::new(
@@ -229,6 +226,16 @@ impl Planner {
     }
 
     fn publish(&mut self, entries: &[StoreEntry], groups: &[u32]) {
+        if !self.cfg.events {
+            // No chains to build (a lazy store would start one per block).
+            for e in entries {
+                if self.cache.pool().state(e.block) == Some(BlockState::Pending) {
+                    self.stats.stored_blocks += 1;
+                }
+                let _ = self.cache.publish(e.block);
+            }
+            return;
+        }
         let mut chain = StoredChain::new(GROUP, self.cfg.block_size);
         for (i, e) in entries.iter().enumerate() {
             let group = group_of(groups, i);

@@ -168,7 +168,10 @@ impl Planner {
     /// pass, so the blocks this step fills are confirmed already, first step included.
     /// In lazy mode, `lazy_candidates` (GPU blocks about to be evicted, least recently
     /// used first) are stored instead, and the plan's `held_gpu_blocks` says which ones
-    /// the caller must keep.
+    /// the caller must keep: none with [`PlannerConfig::stores_after_forward`], whose
+    /// store copies them after this step's forward pass (which writes no block that was
+    /// free when the step was scheduled) and before the next one (the first that may
+    /// write them again).
     ///
     /// Hashes are read only for requests with newly confirmed blocks. A hash that cannot
     /// be read is an error naming it; the other requests of the step are recorded, and
@@ -325,12 +328,14 @@ impl Planner {
         if !self.cfg.lazy {
             return Vec::new();
         }
-        select_lazy(
+        let chosen = select_lazy(
             candidates,
             &mut self.cache,
             &mut self.pending_store,
             &mut self.stats,
-        )
+        );
+        self.pending_store.offered.extend_from_slice(&chosen);
+        chosen
     }
 
     /// Whether [`Self::schedule`] reads the step's scheduled requests. A lazy planner

@@ -28,10 +28,12 @@ pub(super) struct PendingStore {
     /// Requests whose blocks are read, with their serials.
     pub(super) req_ids: Vec<(String, u64)>,
     pub(super) flush_req_ids: Vec<String>,
-    pub(super) lazy: bool,
     /// GPU blocks the caller must keep until the store retires (multi-group eager
     /// stores of blocks the server frees from running requests).
     pub(super) held: Vec<u32>,
+    /// GPU blocks [`Planner::offer_lazy`](super::Planner::offer_lazy) selected: the
+    /// caller holds them from the offer on, and gets them back when the store retires.
+    pub(super) offered: Vec<u32>,
     /// The entries' KV-cache groups, see [`group_of`]: kept apart from the entries, and
     /// empty while every group is 0, so a single-group store carries nothing more.
     pub(super) groups: Vec<u32>,
@@ -152,7 +154,6 @@ pub(super) fn select_lazy(
         });
         pending.push_group(key.group);
         pending.gpu_blocks.push(gpu);
-        pending.lazy = true;
         chosen.push(gpu);
     }
     chosen

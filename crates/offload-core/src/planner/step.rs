@@ -170,12 +170,18 @@ impl Planner {
             return Err(e);
         }
         let held = if self.cfg.lazy {
-            select_lazy(
+            let chosen = select_lazy(
                 lazy_candidates,
                 &mut self.cache,
                 &mut self.pending_store,
                 &mut self.stats,
-            )
+            );
+            // Copied before any forward pass may write them (see `Planner::schedule`).
+            if after_forward {
+                Vec::new()
+            } else {
+                chosen
+            }
         } else {
             Vec::new()
         };
