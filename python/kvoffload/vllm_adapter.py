@@ -312,46 +312,7 @@ def bytes_per_block(kv_cache_config: Any) -> int:
     return total
 
 
-# ---- scheduler output -------------------------------------------------------------------
-
-
-def scheduled_lists(scheduler_output: Any) -> tuple[Any, ...]:
-    """The per-step request lists the planner consumes, as
-    ``(new_req_ids, new_num_computed, new_block_ids, cached_req_ids, cached_num_computed,
-    cached_new_block_ids, resumed_req_ids, preempted_req_ids, num_scheduled_tokens)``.
-
-    vLLM's own lists are passed through as they are (no per-request Python work for the
-    running requests); only the few new requests of a step are unpacked.
-    """
-    new = scheduler_output.scheduled_new_reqs
-    cached = scheduler_output.scheduled_cached_reqs
-    resumed = getattr(cached, "resumed_req_ids", None)
-    if resumed is None:  # vLLM < 0.11 spelled it as a per-request flag list
-        flags = getattr(cached, "resumed_from_preemption", ())
-        resumed = {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
-    if new:
-        new_lists = (
-            [r.req_id for r in new],
-            [r.num_computed_tokens for r in new],
-            [r.block_ids for r in new],
-        )
-    else:  # most steps admit no request
-        new_lists = ([], [], [])
-    return (
-        *new_lists,
-        cached.req_ids,
-        cached.num_computed_tokens,
-        cached.new_block_ids,
-        resumed,
-        preempted_ids(scheduler_output),
-        scheduler_output.num_scheduled_tokens,
-    )
-
-
-def preempted_ids(scheduler_output: Any) -> list[str]:
-    """The step's preempted request ids (the workers drop their transfers)."""
-    preempted = scheduler_output.preempted_req_ids
-    return list(preempted) if preempted else []
+# ---- scheduler allocations --------------------------------------------------------------
 
 
 def allocated_blocks(blocks: Any) -> list[Any]:
