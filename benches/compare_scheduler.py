@@ -183,18 +183,6 @@ def build_scheduler(trace: Trace, model: Path, connector: str, lazy: bool) -> An
     )
 
 
-def report_stats_every_call() -> None:
-    """Equal duties for the stats hook. vLLM's scheduler calls ``get_kv_connector_stats()``
-    after every step; Simple drains its counters at every call, and so does kvoffload by
-    default (``REPORT_INTERVAL_S`` is 0). This pins that, so a longer interval configured
-    later cannot make kvoffload look cheaper than Simple here."""
-    from kvoffload import stats
-
-    if not callable(getattr(stats.CounterDeltas, "due", None)):
-        raise RuntimeError("kvoffload.stats.CounterDeltas.due is gone: update this benchmark")
-    stats.CounterDeltas.due = lambda self: True  # type: ignore[method-assign]
-
-
 # ---- timing -------------------------------------------------------------------------------------
 
 
@@ -459,8 +447,6 @@ def main() -> None:
         args.repeat = 1
     model = model_dir(args.model)
     import vllm  # noqa: F401  (version in the machine line)
-
-    report_stats_every_call()
 
     m = machine()
     print(f"machine: {describe(m)}")

@@ -7,7 +7,7 @@ from typing import Any
 from kvoffload._native import KVOffloadError, OffloadConfig, Planner
 from kvoffload.events import GROUP_ID_BYTES, CpuEventLog
 from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
-from kvoffload.stats import CounterDeltas, KVOffloadStats
+from kvoffload.stats import KVOffloadStats
 from kvoffload.vllm_adapter import (
     FULL_KINDS,
     EventSpec,
@@ -84,7 +84,6 @@ class OffloadScheduler:
         self._holder: GpuBlockHolder | None = None
         #: With events on: GPU block id -> hash of blocks offered since the last plan.
         self._offered: dict[int, bytes] = {}
-        self._stats = CounterDeltas()
         if not self._lazy:
             # Nothing is offered between steps: vLLM's per-step call goes to the reports.
             self.update_connector_output = self._apply_reports
@@ -206,12 +205,12 @@ class OffloadScheduler:
             holder = self._walker or self._holder
             if holder is not None:
                 holder.hold(held)
+        # Positional (loads, store, store_after_forward, preempted_req_ids): built every
+        # step, and keywords cost a dict.
         if after_forward:
-            meta = KVOffloadMetadata(
-                loads=loads, store_after_forward=store, preempted_req_ids=preempted
-            )
+            meta = KVOffloadMetadata(loads, None, store, preempted)
         else:
-            meta = KVOffloadMetadata(loads=loads, store=store, preempted_req_ids=preempted)
+            meta = KVOffloadMetadata(loads, store, None, preempted)
         if self._has_remote:
             meta.fetches = planner.take_fetches()
             if meta.fetches and self._events is not None:
@@ -254,8 +253,12 @@ class OffloadScheduler:
 
     def _apply_reports(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
-        # Most steps report nothing; an ABC's isinstance of None is not free.
-        if meta is None or not isinstance(meta, KVOffloadWorkerMetadata):
+        # Most steps report nothing; an ABC's isinstance is not free, so the exact type
+        # (what the workers send) is tried first.
+        if meta is None or (
+            type(meta) is not KVOffloadWorkerMetadata
+            and not isinstance(meta, KVOffloadWorkerMetadata)
+        ):
             return
         if meta.fetched:
             try:
@@ -325,9 +328,10 @@ class OffloadScheduler:
         return self._planner.has_work_in_flight()
 
     def stats(self) -> KVOffloadStats | None:
-        if not self._stats.due():
-            return None
-        # Counter increases and changed gauges, compared in Rust: None when nothing moved.
+        # vLLM asks after every step and never while idle: a report held back for an
+        # interval would keep a burst's last counts from /metrics until the next
+        # request. Counter increases and changed gauges are compared in Rust: None when
+        # nothing moved.
         report = self._planner.take_stats_report()
         if report is None:
             return None

@@ -10,6 +10,7 @@ use offload_core::{
 };
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMapping, PyString, PyTuple};
 
 use crate::config::PyOffloadConfig;
@@ -589,10 +590,19 @@ impl PyPlanner {
         if unchanged {
             return Ok(None);
         }
+        // Built every step: the names are made once, not per report.
+        static NAMES: PyOnceLock<Vec<Py<PyString>>> = PyOnceLock::new();
+        let names = NAMES.get_or_init(py, || {
+            counters(&PlannerStats::default())
+                .iter()
+                .map(|(name, _)| PyString::intern(py, name).unbind())
+                .collect()
+        });
         let deltas = PyDict::new(py);
-        for ((name, v), (_, was)) in counters(&now).into_iter().zip(counters(&self.reported)) {
+        let pairs = counters(&now).into_iter().zip(counters(&self.reported));
+        for (name, ((_, v), (_, was))) in names.iter().zip(pairs) {
             if v != was {
-                deltas.set_item(name, v.saturating_sub(was))?;
+                deltas.set_item(name.bind(py), v.saturating_sub(was))?;
             }
         }
         self.reported = now;
