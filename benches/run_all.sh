@@ -39,6 +39,9 @@ step "scheduler: SimpleCPUOffloadConnector vs kvoffload"
 step "end to end: real vLLM engine"
 "$PY" benches/e2e.py "${smoke[@]}" --json "$OUT/e2e.json"
 
+step "nothing to reuse: real vLLM engine"
+"$PY" benches/noreuse.py "${smoke[@]}" --json "$OUT/noreuse.json"
+
 step "plot"
 "$PY" scripts/plot_benchmarks.py --index "$OUT/compare_index.json" \
     --scheduler "$OUT/compare_scheduler.json" \

@@ -191,6 +191,7 @@ def run(
     *,
     warm: bool = False,
     extra: Callable[[Any], dict[str, Any]] | None = None,
+    probe: Callable[[Any], Callable[[], dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Runs ``workload`` on a fresh engine (shut down afterwards) and returns per-request
     time to first token and output tokens (ordered by user, then turn), wall and process
@@ -200,7 +201,9 @@ def run(
     ``warm``: run the workload once first, then drop vLLM's own prefix cache, and measure
     the second pass (what a connector holds is all that is left of the first).
     ``extra``: called with the engine after the measured pass, before shutdown; what it
-    returns is the result's ``extra``."""
+    returns is the result's ``extra``. ``probe``: called with the engine right before the
+    measured pass; what it returns is called right after it, and its result is the
+    result's ``probe``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -223,12 +226,14 @@ def run(
             )  # fmt: skip
             llm.reset_prefix_cache()
         before = _counters(llm)
+        read_probe = probe(llm) if probe is not None else None
         t0, c0 = time.perf_counter(), time.process_time()
         requests, order = _one_pass(
             engine, workload, vocab, params, concurrency=spec.concurrency,
             on_request_done=on_request_done,
         )  # fmt: skip
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        probed = read_probe() if read_probe is not None else None
         after = _counters(llm)
         cache = engine.vllm_config.cache_config
         blocks, block_size = int(cache.num_gpu_blocks), int(cache.block_size)
@@ -259,4 +264,5 @@ def run(
         "ttft_s": [r["ttft_s"] for r in reqs],
         "outputs": [r["output"] for r in reqs],
         "extra": more,
+        "probe": probed,
     }
