@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -12,6 +13,50 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+#: Every method vLLM calls on a scheduler-role connector (those a connector lacks are
+#: skipped).
+SCHEDULER_METHODS = (
+    "get_num_new_matched_tokens",
+    "get_external_cache_hit_sources",
+    "get_loaded_kv_cache_group_ids",
+    "update_state_after_alloc",
+    "update_state_after_free",
+    "on_new_request",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "register_finished_partial_tail",
+    "take_events",
+    "take_unavailable_requests",
+    "has_pending_block_frees",
+    "has_pending_push_work",
+    "get_kv_connector_stats",
+)
+
+#: Every method vLLM's model runner calls on a worker-role connector while serving.
+WORKER_METHODS = (
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+    "get_kv_connector_stats",
+)
+
+
+def add_output_args(p: argparse.ArgumentParser, smoke: str) -> None:
+    """``--json``, ``--log`` (vLLM's log) and ``--smoke`` (``smoke``: what it runs)."""
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--log", type=Path, help="vLLM's log (default: the terminal)")
+    p.add_argument("--smoke", action="store_true", help=f"{smoke} (CI smoke test)")
 
 
 def machine() -> dict[str, Any]:

@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, describe, machine, ratio, summary_ns, write_json
+from _common import REPO, SCHEDULER_METHODS, describe, machine, ratio, summary_ns, write_json
 
 # The real-Scheduler fixtures (``sched_harness``) and the tiny model live with the tests.
 sys.path.insert(0, str(REPO / "tests"))
@@ -46,27 +46,6 @@ BLOCK_SIZE = 16
 #: The tiny Llama's KV geometry (2 layers, 2 KV heads of 32, float32): 16 KiB per block.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 2, 2, 32
 SAMPLED_TOKEN = 7
-
-#: Every method vLLM calls on a scheduler-role connector (those a connector lacks are
-#: skipped).
-SCHEDULER_METHODS = (
-    "get_num_new_matched_tokens",
-    "get_external_cache_hit_sources",
-    "get_loaded_kv_cache_group_ids",
-    "update_state_after_alloc",
-    "update_state_after_free",
-    "on_new_request",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "register_finished_partial_tail",
-    "take_events",
-    "take_unavailable_requests",
-    "has_pending_block_frees",
-    "has_pending_push_work",
-    "get_kv_connector_stats",
-)
 
 #: Configurations: a connector name and, for kvoffload, its load mode. ``none`` is vLLM
 #: without a connector (the baseline for overhead and recomputation).

@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, describe, machine, write_json
+from _common import REPO, add_output_args, describe, machine, write_json
 
 sys.path.insert(0, str(REPO / "scripts"))
 from demo import demo_model, quiet
@@ -65,9 +65,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--load-mode", help="kvoffload load_mode (default: the connector's auto)")
     p.add_argument("--repeat", type=int, default=1, help="runs per configuration")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--log", type=Path, help="vLLM's log (default: the terminal)")
-    p.add_argument("--smoke", action="store_true", help="a tiny workload (CI smoke test)")
+    add_output_args(p, "a tiny workload")
     args = p.parse_args()
     if args.with_simple:
         args.configs += ",simple-eager,simple-lazy"

@@ -34,41 +34,23 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, describe, machine, write_json
+from _common import (
+    REPO,
+    SCHEDULER_METHODS,
+    WORKER_METHODS,
+    add_output_args,
+    describe,
+    machine,
+    write_json,
+)
 
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests"))
 from demo import demo_model, quiet
 from demo_runner import EngineSpec, Workload, offload_config, run
 
-#: Every method vLLM's scheduler or model runner calls on a connector during serving.
-CONNECTOR_METHODS = (
-    # scheduler role
-    "get_num_new_matched_tokens",
-    "get_external_cache_hit_sources",
-    "get_loaded_kv_cache_group_ids",
-    "update_state_after_alloc",
-    "update_state_after_free",
-    "on_new_request",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "take_events",
-    "has_pending_push_work",
-    "get_kv_connector_stats",
-    # worker role
-    "bind_connector_metadata",
-    "clear_connector_metadata",
-    "handle_preemptions",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
-    "get_block_ids_with_load_errors",
-    "build_connector_worker_meta",
-)
+#: Every method vLLM calls on either connector role while serving.
+CONNECTOR_METHODS = tuple(dict.fromkeys(SCHEDULER_METHODS + WORKER_METHODS))
 
 
 def parse_args() -> argparse.Namespace:
@@ -81,9 +63,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cpu-mib", type=float, default=512, help="the CPU pool")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads")
     p.add_argument("--repeat", type=int, default=5, help="passes per configuration")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--log", type=Path, help="vLLM's log (default: the terminal)")
-    p.add_argument("--smoke", action="store_true", help="a tiny workload (CI smoke test)")
+    add_output_args(p, "a tiny workload")
     args = p.parse_args()
     if args.smoke:
         args.prompts, args.prompt_tokens, args.output_tokens, args.repeat = 2, 300, 4, 1
@@ -130,7 +110,7 @@ def connector_timer(llm: Any) -> Callable[[], dict[str, Any]]:
             wrap(obj, name)
 
     def read() -> dict[str, Any]:
-        for obj, name, own in replaced:
+        for obj, name, own in reversed(replaced):
             if own is None:
                 delattr(obj, name)
             else:
