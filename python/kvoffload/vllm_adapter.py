@@ -335,13 +335,16 @@ class GpuBlockHolder:
     belongs to another pool; holds are not prefix-cache accesses, so vLLM's cache
     metrics do not count them."""
 
+    #: The lazy walker's cursor (see ``FreeQueueWalker``): a hold that unlinks it steps it
+    #: back to the node before (``None`` at the head).
+    _cursor: Any = None
+
     def __init__(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
 
-    def hold(self, block_ids: Sequence[int], cursor: Any = None) -> Any:
-        """Takes a reference on each block, unlinking those in the free queue; returns
-        ``cursor`` (a free queue node) or, if it was unlinked, the node before it (``None``
-        at the head)."""
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """Takes a reference on each block, unlinking those in the free queue."""
+        cursor = self._cursor
         pool = self._pool
         blocks = pool.blocks
         queue = pool.free_block_queue
@@ -364,7 +367,7 @@ class GpuBlockHolder:
                 cursor = None if prev is head else prev
             removed += 1
         queue.num_free_blocks -= removed
-        return cursor
+        self._cursor = cursor
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drops the references; blocks no one else holds rejoin the free queue in
@@ -398,7 +401,7 @@ class GpuBlockHolder:
 # ---- GPU block pool (lazy mode) -----------------------------------------------------------
 
 
-class FreeQueueWalker:
+class FreeQueueWalker(GpuBlockHolder):
     """Offers each cached block of the GPU free queue once per stay in the queue, least
     recently used first, resuming each step where the previous walk stopped.
 
@@ -414,8 +417,7 @@ class FreeQueueWalker:
     """
 
     def __init__(self, gpu_block_pool: Any) -> None:
-        self._pool = gpu_block_pool
-        self._holder = GpuBlockHolder(gpu_block_pool)
+        super().__init__(gpu_block_pool)
         #: vLLM's free block queue (``num_free_blocks``: its length).
         self.queue = gpu_block_pool.free_block_queue
         self._head = self.queue.fake_free_list_head
@@ -476,14 +478,6 @@ class FreeQueueWalker:
             node = node.next_free_block
         self._cursor = cursor
         return ids, hashes
-
-    def hold(self, block_ids: Sequence[int]) -> None:
-        """Keeps blocks out of reuse while a copy reads them (the cursor steps back from a
-        block this unlinks, as on any removal)."""
-        self._cursor = self._holder.hold(block_ids, self._cursor)
-
-    def release(self, block_ids: Sequence[int]) -> None:
-        self._holder.release(block_ids)
 
 
 # ---- KV events ----------------------------------------------------------------------------

@@ -133,7 +133,11 @@ pub(super) fn select_lazy(
     stats: &mut PlannerStats,
 ) -> Vec<u32> {
     let candidates = candidates.into_iter();
-    let mut chosen = Vec::with_capacity(candidates.size_hint().0);
+    let n = candidates.size_hint().0;
+    let mut chosen = Vec::with_capacity(n);
+    // A burst of freed blocks is a few hundred candidates: grow the job's lists once.
+    pending.entries.reserve(n);
+    pending.gpu_blocks.reserve(n);
     for (gpu, key) in candidates {
         let block = match cache.reserve_key(key) {
             Reservation::Reserved(block) => block,
