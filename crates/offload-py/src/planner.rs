@@ -271,9 +271,17 @@ impl PyPlanner {
         })?;
         let end = window.end.min(blocks.len()?);
         let name = intern!(blocks.py(), "block_id");
-        let ids = (window.start..end)
-            .map(|i| block_id(&blocks.get_item(i)?.getattr(name)?, "blocks"))
-            .collect::<PyResult<Vec<u32>>>()?;
+        // A long prompt's hit is a hundred blocks or more: one allocation, and vLLM's
+        // list indexed directly.
+        let mut ids = Vec::with_capacity(end.saturating_sub(window.start));
+        let list = blocks.cast::<PyList>().ok();
+        for i in window.start..end {
+            let block = match list {
+                Some(list) => list.get_item(i)?,
+                None => blocks.get_item(i)?,
+            };
+            ids.push(block_id(&block.getattr(name)?, "blocks")?);
+        }
         self.inner
             .on_alloc_window(req_id, &ids, ext)
             .map_err(plan_err)
