@@ -6,7 +6,7 @@ mod config;
 mod convert;
 mod errors;
 mod planner;
-mod scheduler_output;
+mod step;
 mod tier;
 mod transfer;
 

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use offload_core::tier::{ProbeQueue, TierStats};
 use offload_core::{
-    BlockHash, BlockKey, GroupKind, KvEvent, LazyCandidate, LookupOutcome, Planner, PlannerConfig,
-    PlannerStats, ScheduleKind, ScheduledRequest, StepPlan,
+    BlockHash, GroupKind, KvEvent, LookupOutcome, Planner, PlannerConfig, PlannerStats,
+    ScheduleKind,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -14,33 +14,15 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMapping, PyString, PyTuple};
 
 use crate::config::PyOffloadConfig;
-use crate::convert::{block_id, block_ids, count, type_name, MappedHashes, PyHashes};
+use crate::convert::{block_id, block_ids, count, PyHashes};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
-use crate::scheduler_output::step_lists;
+use crate::step::{
+    all_group_ids, group0_ids, lazy_candidates, req_id, same_len, scheduled_requests, step_lists,
+    step_to_py, StepTuple,
+};
 use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of, tier_counters};
 use crate::transfer::ids_from_bytes;
 
-/// `(id, req_id, gpu_blocks, cpu_blocks, valid, sync)`; block lists are little-endian u32 bytes.
-type LoadTuple<'py> = (
-    u64,
-    String,
-    Bound<'py, PyBytes>,
-    Bound<'py, PyBytes>,
-    bool,
-    bool,
-);
-/// `(id, gpu_blocks, cpu_blocks, req_ids)`; block lists are little-endian u32 bytes.
-type StoreTuple<'py> = (u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Vec<String>);
-/// `(loads, store, held_gpu_blocks, store_sources, store_groups)`; `store_sources` is
-/// empty unless events are on (see `StoreJob::sources`), `store_groups` unless the planner
-/// has several KV-cache groups (see `StoreJob::groups`).
-type StepTuple<'py> = (
-    Vec<LoadTuple<'py>>,
-    Option<StoreTuple<'py>>,
-    Vec<u32>,
-    Vec<Option<(u32, u32)>>,
-    Vec<u32>,
-);
 /// `(id, req_id, hashes, cpu_blocks)`: 16-byte hashes, little-endian u32 block ids.
 type FetchTuple<'py> = (u64, String, Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize);
 /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
@@ -674,76 +656,6 @@ fn counters(s: &PlannerStats) -> [(&'static str, u64); 12] {
     ]
 }
 
-/// A request id, which must be a `str`.
-fn req_id(v: Bound<'_, PyAny>) -> PyResult<Bound<'_, PyString>> {
-    v.cast_into::<PyString>().map_err(|e| {
-        INVALID_INPUT_ERROR.err(format!(
-            "request ids must be str, got {}",
-            type_name(e.into_inner().as_any())
-        ))
-    })
-}
-
-/// The step's scheduled requests from their rows `(kind, num_computed_tokens,
-/// num_scheduled_tokens, block tables)`, ids `ids` (borrowed from `names`), and hashes
-/// read from `hash_lists` when the planner needs them.
-fn scheduled_requests<'a, 'py, B>(
-    rows: impl Iterator<Item = (ScheduleKind, usize, usize, B)>,
-    ids: &'a [&'a str],
-    names: &'a [Bound<'py, PyString>],
-    hash_lists: &'a Bound<'py, PyMapping>,
-) -> impl Iterator<Item = ScheduledRequest<'a, MappedHashes<'a, 'py>, B>> {
-    rows.zip(ids.iter().zip(names)).map(
-        move |((kind, num_computed_tokens, num_scheduled_tokens, gpu_blocks), (req_id, name))| {
-            ScheduledRequest {
-                req_id,
-                kind,
-                num_computed_tokens,
-                num_scheduled_tokens,
-                gpu_blocks,
-                hashes: MappedHashes::new(hash_lists, name),
-            }
-        },
-    )
-}
-
-/// vLLM passes block ids per KV-cache group (`tuple[list[int], ...]`) or `None`.
-fn group0_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    // Most running requests get no new block in a step.
-    if v.is_none() {
-        return Ok(Vec::new());
-    }
-    if let Ok(t) = v.cast::<PyTuple>() {
-        return match t.len() {
-            0 => Ok(Vec::new()),
-            _ => block_ids(&t.get_item(0)?, "block_ids"),
-        };
-    }
-    block_ids(v, "block_ids")
-}
-
-/// Every group's ids of a `tuple[list[int], ...]` (a missing or `None` entry: none).
-fn all_group_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
-    if v.is_none() {
-        return Ok(Vec::new());
-    }
-    let t = v.cast::<PyTuple>().map_err(|_| {
-        INVALID_INPUT_ERROR.err(format!(
-            "block ids per KV-cache group must be a tuple of lists, got {}",
-            type_name(v)
-        ))
-    })?;
-    t.iter()
-        .map(|g| {
-            if g.is_none() {
-                Ok(Vec::new())
-            } else {
-                block_ids(&g, "block_ids")
-            }
-        })
-        .collect()
-}
-
 /// KV-cache group `index`'s kind from vLLM's spec kind name and its sliding window (its
 /// `sliding_window` plus `extra_retained_tokens`).
 fn group_kind(index: usize, kind: &str, window: Option<i64>) -> PyResult<GroupKind> {
@@ -765,83 +677,4 @@ fn group_kind(index: usize, kind: &str, window: Option<i64>) -> PyResult<GroupKi
              mamba"
         ))),
     }
-}
-
-fn same_len(what: &str, lens: &[usize]) -> PyResult<()> {
-    if lens.windows(2).all(|w| w[0] == w[1]) {
-        return Ok(());
-    }
-    Err(INVALID_INPUT_ERROR.err(format!("schedule: {what} differ in length {lens:?}")))
-}
-
-/// Lazy candidates: parallel lists of GPU block ids and their hashes (`bytes`, with
-/// `strip` trailing bytes that are not part of the hash).
-fn lazy_candidates(
-    ids: Option<&Bound<'_, PyList>>,
-    hashes: Option<&Bound<'_, PyList>>,
-    strip: usize,
-) -> PyResult<Vec<LazyCandidate>> {
-    let (Some(ids), Some(hashes)) = (ids, hashes) else {
-        return Ok(Vec::new());
-    };
-    same_len(
-        "lazy_gpu_block_ids and lazy_block_hashes",
-        &[ids.len(), hashes.len()],
-    )?;
-    let mut out = Vec::with_capacity(ids.len());
-    for (i, (id, h)) in ids.iter().zip(hashes.iter()).enumerate() {
-        let b = h
-            .cast::<PyBytes>()
-            .map_err(|_| {
-                INVALID_INPUT_ERROR.err(format!(
-                    "lazy_block_hashes[{i}]: block hash must be bytes, got {}",
-                    type_name(&h)
-                ))
-            })?
-            .as_bytes();
-        let hash = BlockHash::from_bytes(&b[..b.len().saturating_sub(strip)]).ok_or_else(|| {
-            INVALID_INPUT_ERROR.err(format!("lazy_block_hashes[{i}]: empty block hash"))
-        })?;
-        // vLLM appends the group id, 4 bytes big-endian.
-        let group = b
-            .len()
-            .checked_sub(strip)
-            .and_then(|at| <[u8; 4]>::try_from(&b[at..]).ok())
-            .map_or(0, u32::from_be_bytes);
-        out.push((
-            block_id(&id, "lazy_gpu_block_ids")?,
-            BlockKey::new(group, hash),
-        ));
-    }
-    Ok(out)
-}
-
-fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
-    let loads = plan
-        .loads
-        .into_iter()
-        .map(|l| {
-            (
-                l.id,
-                l.req_id,
-                ids_to_bytes(py, &l.gpu_blocks),
-                ids_to_bytes(py, &l.cpu_blocks),
-                l.valid,
-                l.sync,
-            )
-        })
-        .collect();
-    let mut sources = Vec::new();
-    let mut groups = Vec::new();
-    let store = plan.store.map(|s| {
-        sources = s.sources;
-        groups = s.groups;
-        (
-            s.id,
-            ids_to_bytes(py, &s.gpu_blocks),
-            ids_to_bytes(py, &s.cpu_blocks),
-            s.req_ids,
-        )
-    });
-    (loads, store, plan.held_gpu_blocks, sources, groups)
 }
