@@ -213,9 +213,12 @@ def transfer_report(meta: Any) -> tuple[list[int], list[bool], int, int]:
 
 
 def after_forward_report(meta: Any) -> tuple[list[int], int]:
-    """The after-forward store of ``meta`` (KV in host memory), which workers finish and
-    report within the step: ``(transfer_ids, stored blocks)``."""
-    store = getattr(meta, "store_after_forward", None)
+    """The store of ``meta`` copied within the step (KV in host memory: a lazy one before
+    the forward pass, an eager one after), which workers finish and report within the
+    step: ``(transfer_ids, stored blocks)``."""
+    store = getattr(meta, "store_after_forward", None) or getattr(
+        meta, "store_before_forward", None
+    )
     if store is None:
         return [], 0
     return [store[0]], len(store[1]) // 4
@@ -426,8 +429,8 @@ class SchedHarness:
             Load(t, r, block_ids(g), block_ids(c), bool(v), bool(s))
             for t, r, g, c, v, s in meta.loads
         ]
-        # KV in host memory with synchronous loads: the store runs after the forward pass.
-        store = meta.store if meta.store is not None else meta.store_after_forward
+        # KV in host memory with synchronous loads: the store runs within the step.
+        store = meta.store or meta.store_before_forward or meta.store_after_forward
         if store is not None:
             t, g, c, reqs = store[:4]
             step.store = Store(t, block_ids(g), block_ids(c), list(reqs))

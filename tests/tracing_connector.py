@@ -110,7 +110,11 @@ class TracingConnector(KVOffloadConnector):
             return
         import torch
 
-        stores = [s for s in (meta.store, meta.store_after_forward) if s is not None]
+        stores = [
+            s
+            for s in (meta.store, meta.store_before_forward, meta.store_after_forward)
+            if s is not None
+        ]
         engine = worker.engine
         floats = engine.cpu_block_bytes // 2 // 4  # the tiny model: two layers of float32
         for _tid, _gpu, cpu, _reqs in stores:

@@ -195,7 +195,8 @@ class Planner:
         self, gpu_block_ids: list[int], block_hashes: list[bytes], strip: int
     ) -> list[int]:
         """Lazy mode: selects blocks for the next step's store now; returns the ids to
-        hold from now on."""
+        hold from now on (none with ``stores_after_forward``: that store is copied
+        before the next forward pass)."""
     @property
     def reads_scheduled_requests(self) -> bool:
         """Whether ``schedule`` reads the request lists (a lazy single-group planner

@@ -28,6 +28,10 @@ class KVOffloadMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     store: StoreSpec | None = None
+    #: KV in host memory, lazy mode: the step's store of blocks freed earlier, copied
+    #: before its loads and forward pass (which may write blocks it reallocated), so they
+    #: are never held (see ``OffloadWorker.submit``).
+    store_before_forward: StoreSpec | None = None
     #: KV in host memory: the step's store runs after the forward pass, which writes some
     #: of its blocks, and is over when the step ends (see ``OffloadWorker.store_after_forward``).
     store_after_forward: StoreSpec | None = None

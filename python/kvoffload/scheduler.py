@@ -205,12 +205,15 @@ class OffloadScheduler:
             holder = self._walker or self._holder
             if holder is not None:
                 holder.hold(held)
-        # Positional (loads, store, store_after_forward, preempted_req_ids): built every
-        # step, and keywords cost a dict.
-        if after_forward:
-            meta = KVOffloadMetadata(loads, None, store, preempted)
+        # Positional (loads, store, store_before_forward, store_after_forward,
+        # preempted_req_ids): built every step, and keywords cost a dict. Within the step
+        # (KV in host memory), a lazy store goes before the forward pass, an eager one after.
+        if not after_forward:
+            meta = KVOffloadMetadata(loads, store, None, None, preempted)
+        elif self._lazy:
+            meta = KVOffloadMetadata(loads, None, store, None, preempted)
         else:
-            meta = KVOffloadMetadata(loads, store, None, preempted)
+            meta = KVOffloadMetadata(loads, None, None, store, preempted)
         if self._has_remote:
             meta.fetches = planner.take_fetches()
             if meta.fetches and self._events is not None:
@@ -228,7 +231,8 @@ class OffloadScheduler:
         # vLLM calls this after freeing the step's finished requests. Their blocks join
         # the free queue at its tail; when the whole queue is shorter than one step's
         # batch, the next step's allocations may evict them before its plan's walk sees
-        # them. Offered now, the chosen ones are held until their store retires. (With
+        # them. Offered now, the chosen ones join the next step's store, held until it
+        # retires unless that store is copied before the step's forward pass. (With
         # the two-step watermark as the bound instead, the shared trace stored a fifth
         # more blocks for the same recomputation.)
         # With no unfinished request left, vLLM may not step again (an offline engine
@@ -248,8 +252,8 @@ class OffloadScheduler:
         held = self._planner.offer_lazy(ids, hashes, GROUP_ID_BYTES)
         if held:
             walker.hold(held)
-            if self._events is not None:
-                self._offered.update(zip(ids, hashes, strict=True))
+        if self._events is not None:
+            self._offered.update(zip(ids, hashes, strict=True))
 
     def _apply_reports(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta

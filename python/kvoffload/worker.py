@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload._native import KVOffloadError, OffloadConfig, TransferEngine, WorkerTier
 from kvoffload.cuda_events import CUDA, engine_backend, record_compute_event
-from kvoffload.metadata import KVOffloadHandshake, KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.metadata import (
+    KVOffloadHandshake,
+    KVOffloadMetadata,
+    KVOffloadWorkerMetadata,
+    StoreSpec,
+)
 from kvoffload.stats import CounterDeltas, KVOffloadStats
 from kvoffload.vllm_adapter import kv_regions, logger
 
@@ -29,9 +34,9 @@ SHUTDOWN_TIMEOUT_S = 5.0
 MAX_TIMES_PER_REPORT = 4096
 #: How long queued remote writes may take to go out at shutdown.
 REMOTE_DRAIN_S = 1.0
-#: How long a step waits for its after-forward store (KV in host memory) before leaving it
-#: to finish in the background.
-STORE_AFTER_FORWARD_TIMEOUT_S = 30.0
+#: How long a step waits for a store copied within it (KV in host memory) before leaving
+#: it to finish in the background.
+STORE_WITHIN_STEP_TIMEOUT_S = 30.0
 
 #: What a worker whose engine did not stop in time keeps alive for the rest of the process:
 #: the copy thread may still write into the registered KV tensors (and read torch events),
@@ -183,9 +188,16 @@ class OffloadWorker:
         if self._engine is None:
             for tid, _req_id, gpu, _cpu, _valid, _sync in metadata.loads:
                 self._fail_load(tid, gpu, "no KV caches registered")
-            if metadata.store is not None:
-                self._record(metadata.store[0], False, "no KV caches registered")
+            for store in (metadata.store, metadata.store_before_forward):
+                if store is not None:
+                    self._record(store[0], False, "no KV caches registered")
             return
+        if metadata.store_before_forward is not None:
+            # Blocks freed in earlier steps, which this step may have reallocated: copied
+            # before a load or the forward pass writes them.
+            self._store_within_step(
+                metadata.store_before_forward, metadata, "the step's lazy store"
+            )
         # On CUDA every copy of the step waits for the work already on the compute
         # stream: stores must not read blocks still being written, and (with vLLM's
         # async scheduling) a load must not overwrite a reallocated block that the
@@ -258,9 +270,13 @@ class OffloadWorker:
         A store slower than its wait stops the engine like any other timed-out wait: the
         report still comes only once the copy no longer reads its blocks.
         """
-        if metadata.store_after_forward is None:
-            return
-        tid, gpu, cpu, req_ids = metadata.store_after_forward
+        if metadata.store_after_forward is not None:
+            self._store_within_step(metadata.store_after_forward, metadata, "the step's store")
+
+    def _store_within_step(self, store: StoreSpec, metadata: KVOffloadMetadata, what: str) -> None:
+        """Copies ``store`` and waits for it (see ``store_after_forward``). Issued only
+        where KV lives in host memory: no compute stream to wait on."""
+        tid, gpu, cpu, req_ids = store
         if self._engine is None:
             self._record(tid, False, "no KV caches registered")
             return
@@ -273,7 +289,7 @@ class OffloadWorker:
             self._stores.pop(tid, None)
             self._record(tid, False, str(e))
             return
-        self._wait([tid], STORE_AFTER_FORWARD_TIMEOUT_S, "the step's store")
+        self._wait([tid], STORE_WITHIN_STEP_TIMEOUT_S, what)
 
     def poll(self) -> None:
         if self._tier is not None:

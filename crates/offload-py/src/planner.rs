@@ -510,7 +510,8 @@ impl PyPlanner {
     }
 
     /// Lazy mode: selects GPU blocks (ids and hashes as in `schedule`) for the next
-    /// step's store now; returns the ids the caller must hold from now on.
+    /// step's store now; returns the ids the caller must hold from now on (none when
+    /// stores are copied within the step, see `offload_core::Planner::offer_lazy`).
     fn offer_lazy(
         &mut self,
         gpu_block_ids: &Bound<'_, PyList>,

@@ -169,9 +169,8 @@ impl Planner {
     /// In lazy mode, `lazy_candidates` (GPU blocks about to be evicted, least recently
     /// used first) are stored instead, and the plan's `held_gpu_blocks` says which ones
     /// the caller must keep: none with [`PlannerConfig::stores_after_forward`], whose
-    /// store copies them after this step's forward pass (which writes no block that was
-    /// free when the step was scheduled) and before the next one (the first that may
-    /// write them again).
+    /// lazy store is copied before this step's forward pass, the first that may write
+    /// them again.
     ///
     /// Hashes are read only for requests with newly confirmed blocks. A hash that cannot
     /// be read is an error naming it; the other requests of the step are recorded, and
@@ -315,9 +314,10 @@ impl Planner {
 
     /// Lazy mode: selects GPU blocks about to be evicted for the store that the next
     /// [`Self::schedule`] hands out, as `schedule`'s own `lazy_candidates` are. Returns
-    /// the selected GPU block ids, which the caller must keep from now on (they are in
-    /// that store's `held` blocks, released when it retires, but not in the next plan's
-    /// `held_gpu_blocks`).
+    /// the selected GPU block ids the caller must keep from now on (they are in that
+    /// store's `held` blocks, released when it retires, but not in the next plan's
+    /// `held_gpu_blocks`): none with [`PlannerConfig::stores_after_forward`], whose lazy
+    /// store is copied before the next forward pass, the first that may write them.
     ///
     /// vLLM frees finished requests' blocks after the step's plan is built, and the next
     /// step may evict them before that plan's walk sees them; offering them when they
@@ -334,6 +334,9 @@ impl Planner {
             &mut self.pending_store,
             &mut self.stats,
         );
+        if self.cfg.stores_after_forward {
+            return Vec::new();
+        }
         self.pending_store.offered.extend_from_slice(&chosen);
         chosen
     }

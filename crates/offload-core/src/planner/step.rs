@@ -176,7 +176,7 @@ impl Planner {
                 &mut self.pending_store,
                 &mut self.stats,
             );
-            // Copied before any forward pass may write them (see `Planner::schedule`).
+            // Copied before the step's forward pass (see `Planner::schedule`).
             if after_forward {
                 Vec::new()
             } else {

@@ -33,10 +33,13 @@ pub struct PlannerConfig {
     /// pass), instead of the request waiting a step for an asynchronous load. Cheaper
     /// when KV lives in host memory (vLLM's CPU backend); GPUs overlap async loads.
     pub sync_loads: bool,
-    /// Each step's store runs after that step's forward pass and finishes within the step
-    /// (KV in host memory): blocks count as confirmed once the step's scheduled tokens
-    /// fill them, including a new request's first step. Otherwise stores read only what
-    /// earlier steps computed, and run while the next forward pass may.
+    /// Each step's store is copied within the step (KV in host memory): in eager mode
+    /// after that step's forward pass, so blocks count as confirmed once the step's
+    /// scheduled tokens fill them, including a new request's first step; in lazy mode
+    /// before it, so no GPU block is held (a lazy store's blocks were free, their KV
+    /// final, and the first forward pass that may write them again is the step's own).
+    /// Otherwise stores read only what earlier steps computed, and run while the next
+    /// forward pass may.
     pub stores_after_forward: bool,
 }
 
