@@ -408,6 +408,34 @@ def scheduler_table() -> str:
         + "\n".join(rows)
         + f"\n\nCPU-hit tokens differ by {hits} between the connectors. {duty} {goal}\n\n"
         + churn_line()
+        + "\n"
+        + sync_line()
+    )
+
+
+def sync_line() -> str:
+    """kvoffload with synchronous loads (``kvoffload-sync``), what it runs on vLLM's CPU
+    backend: per trace and mode, the connector time ratios against Simple and the prompt
+    tokens recomputed."""
+    parts = []
+    for trace, name in (("shared", "compare_scheduler"), ("churn", "compare_scheduler_churn")):
+        by = {
+            (r["connector"], r["mode"]): r for r in load_json(f"benchmarks/{name}.json")["results"]
+        }
+        for m in ("eager", "lazy"):
+            si, k = by["simple", m], by["kvoffload-sync", m]
+            c, ck = si["connector_step"], k["connector_step"]
+            parts.append(
+                f"{trace} {m} {us(ck['mean_us'])} ({ratio(c['mean_us'] / ck['mean_us'])} less "
+                f"than Simple, p99 {ratio(c['p99_us'] / ck['p99_us'])}), recomputed "
+                f"{k['recomputed_tokens']:,} vs {si['recomputed_tokens']:,}"
+            )
+    return (
+        "With `load_mode: sync` (the default on vLLM's CPU backend: a hit loads within its "
+        "step, and a step's store is copied within it, a lazy one before the forward pass, so "
+        "lazy mode holds no GPU block) in the same runs: "
+        + "; ".join(parts)
+        + ". The schedule differs from Simple's there (requests with a hit run a step earlier).\n"
     )
 
 
