@@ -588,6 +588,10 @@ def rust_planner() -> str:
         f"{ns(bench('planner', 'planner/load/128', 'ns/block'))} |",
         f"| a waiting request asks again (cached answer) | "
         f"{ns(bench('planner', 'planner/lookup_repeat/128', 'ns/call'))} |",
+        f"| per block of a first lookup (+ release), 300 prefixes in turn, stored by lazy "
+        f"stores in prefix order / in vLLM's free order (last block first) | "
+        f"{sig(bench('planner', 'planner/lookup_fresh/128', 'ns/block'))} / "
+        f"{sig(bench('planner', 'planner/lookup_fresh_reversed/128', 'ns/block'))} ns |",
     ]
     return "\n".join(rows) + "\n"
 

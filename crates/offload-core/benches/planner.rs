@@ -10,6 +10,9 @@
 //! - `planner/store_lazy/128`: the same through `select_lazy` (lazy mode).
 //! - `planner/load/128`: a 128-block prefix hit: `lookup` (pins), `on_alloc`,
 //!   `take_step`, `complete` (unpins); throughput = blocks/s.
+//! - `planner/lookup_fresh/128`, `planner/lookup_fresh_reversed/128`: a request's first
+//!   `lookup` of a 128-block prefix (and its release) that a lazy store put on CPU in
+//!   prefix order, or in the order vLLM frees blocks (last first); 300 prefixes in turn.
 //!
 //! The CPU pool has 48,505 blocks (the scheduler comparison's) and starts full, so every
 //! store evicts. Run: `cargo bench -p offload-core --bench planner`.
@@ -376,6 +379,52 @@ fn per_block(c: &mut Criterion) {
             "ns/call",
             samples,
         );
+    }
+
+    // A first lookup (and its release) of a 128-block prefix that a lazy store put on CPU
+    // in prefix order, or reversed: the order vLLM frees a request's blocks in, last first.
+    // Prefixes are taken in turn from 300 stored ones, so the index is cold as in a server.
+    for (label, reversed) in [("lookup_fresh", false), ("lookup_fresh_reversed", true)] {
+        let mut rng = Rng(4);
+        let mut p = planner(true);
+        let prefixes: Vec<Vec<BlockHash>> = (0..300).map(|_| rng.hashes(BLOCKS + 1)).collect();
+        for prefix in &prefixes {
+            let mut freed: Vec<(u32, BlockKey)> = (0..BLOCKS as u32)
+                .zip(prefix)
+                .map(|(i, h)| (i, BlockKey::new(0, *h)))
+                .collect();
+            if reversed {
+                freed.reverse();
+            }
+            let store = p
+                .schedule(Vec::<ScheduledRequest<'_, &[BlockHash]>>::new(), freed)
+                .expect("schedule")
+                .store
+                .expect("a store");
+            p.complete(store.id, true).expect("complete");
+            p.take_completions();
+        }
+        let num_tokens = BLOCKS * BS + 1;
+        let mut next = prefixes.iter().cycle();
+        let samples = Mutex::new(Vec::new());
+        g.bench_function(BenchmarkId::new(label, BLOCKS), |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let prefix = next.next().expect("cycled");
+                    let hit = p.lookup("r", prefix, num_tokens, 0).expect("lookup");
+                    assert_eq!(hit, BLOCKS * BS);
+                    p.request_finished("r", prefix, 0).expect("finish");
+                }
+                let t = start.elapsed();
+                samples
+                    .lock()
+                    .expect("samples")
+                    .push(t.as_nanos() as f64 / iters as f64 / BLOCKS as f64);
+                t
+            });
+        });
+        report(&format!("planner/{label}/{BLOCKS}"), "ns/block", samples);
     }
     g.finish();
 }

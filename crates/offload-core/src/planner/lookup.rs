@@ -100,8 +100,10 @@ impl Planner {
         r.release_hit(&mut self.cache);
         // Hashes are read from the first block the lookup needs, a chunk at a time, and
         // only until the chunk with the first miss. A prefix stored in one go sits in
-        // consecutive CPU blocks: each block is first looked for right after the
-        // previous hit (pool reads in order), and in the index only when it is not there.
+        // consecutive CPU blocks, in prefix order (eager stores) or reversed (lazy stores
+        // take blocks in the order vLLM frees them, a request's last block first): each
+        // block is first looked for beside the previous hit, in the direction of the two
+        // before (pool reads in order), and in the index only when it is not there.
         let mut blocks = Vec::new();
         let mut last = None;
         let mut guess = BlockId::MAX;
@@ -122,11 +124,14 @@ impl Planner {
                     blocks.reserve(limit - i);
                     r.hashes.reserve(limit - i);
                 }
+                guess = match blocks.last() {
+                    Some(&prev) if prev == b.wrapping_add(1) => b.wrapping_sub(1),
+                    _ => b.wrapping_add(1),
+                };
                 // The block is ready, hence in range and pinnable.
                 let _ = self.cache.pin(b);
                 blocks.push(b);
                 last = Some(*h);
-                guess = b.wrapping_add(1);
             }
             i += n;
         }
