@@ -170,10 +170,12 @@ def region(name: str) -> Callable[[Region], Region]:
 
 
 def _sched() -> dict[tuple[str, str], dict[str, Any]]:
-    return {
-        (r["connector"], r["mode"]): r
-        for r in load_json("benchmarks/compare_scheduler.json")["results"]
-    }
+    return _results("compare_scheduler")
+
+
+def _results(name: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """A scheduler comparison's results by ``(connector, mode)``."""
+    return {(r["connector"], r["mode"]): r for r in load_json(f"benchmarks/{name}.json")["results"]}
 
 
 def _index(name: str = "compare_index") -> dict[str, dict[str, Any]]:
@@ -415,27 +417,31 @@ def scheduler_table() -> str:
 
 def sync_line() -> str:
     """kvoffload with synchronous loads (``kvoffload-sync``), what it runs on vLLM's CPU
-    backend: per trace and mode, the connector time ratios against Simple and the prompt
-    tokens recomputed."""
-    parts = []
-    for trace, name in (("shared", "compare_scheduler"), ("churn", "compare_scheduler_churn")):
-        by = {
-            (r["connector"], r["mode"]): r for r in load_json(f"benchmarks/{name}.json")["results"]
-        }
-        for m in ("eager", "lazy"):
-            si, k = by["simple", m], by["kvoffload-sync", m]
-            c, ck = si["connector_step"], k["connector_step"]
-            parts.append(
-                f"{trace} {m} {us(ck['mean_us'])} ({ratio(c['mean_us'] / ck['mean_us'])} less "
-                f"than Simple, p99 {ratio(c['p99_us'] / ck['p99_us'])}), recomputed "
-                f"{k['recomputed_tokens']:,} vs {si['recomputed_tokens']:,}"
-            )
+    backend: per trace and mode, against Simple in the same runs."""
+    parts = [
+        f"{trace} {m} " + versus(_results(name), "kvoffload-sync", m)
+        for trace, name in (("shared", "compare_scheduler"), ("churn", "compare_scheduler_churn"))
+        for m in ("eager", "lazy")
+    ]
     return (
         "With `load_mode: sync` (the default on vLLM's CPU backend: a hit loads within its "
         "step, and a step's store is copied within it, a lazy one before the forward pass, so "
-        "lazy mode holds no GPU block) in the same runs: "
+        "lazy mode holds no GPU block) in the same runs, kvoffload vs Simple per step: "
         + "; ".join(parts)
         + ". The schedule differs from Simple's there (requests with a hit run a step earlier).\n"
+    )
+
+
+def versus(by: dict[tuple[str, str], dict[str, Any]], connector: str, mode: str) -> str:
+    """``connector`` against Simple in ``mode``: connector time per step (mean and p99, with
+    the ratios) and the prompt tokens each recomputed."""
+    si, k = by["simple", mode], by[connector, mode]
+    c, ck = si["connector_step"], k["connector_step"]
+    return (
+        f"{us(ck['mean_us'])} vs {us(c['mean_us'])} "
+        f"({ratio(c['mean_us'] / ck['mean_us'])} less; p99 {sig(ck['p99_us'])} vs "
+        f"{sig(c['p99_us'])} µs, {ratio(c['p99_us'] / ck['p99_us'])}), prompt tokens "
+        f"recomputed {k['recomputed_tokens']:,} vs {si['recomputed_tokens']:,}"
     )
 
 
@@ -444,17 +450,8 @@ def churn_line() -> str:
     prompt tokens each connector recomputed."""
     d = load_json("benchmarks/compare_scheduler_churn.json")
     t = d["trace"]
-    by = {(r["connector"], r["mode"]): r for r in d["results"]}
-    parts = []
-    for m in ("eager", "lazy"):
-        si, k = by["simple", m], by["kvoffload", m]
-        c, ck = si["connector_step"], k["connector_step"]
-        parts.append(
-            f"{m} {us(ck['mean_us'])} vs {us(c['mean_us'])} "
-            f"({ratio(c['mean_us'] / ck['mean_us'])} less; p99 {sig(ck['p99_us'])} vs "
-            f"{sig(c['p99_us'])} µs, {ratio(c['p99_us'] / ck['p99_us'])}), prompt tokens "
-            f"recomputed {k['recomputed_tokens']:,} vs {si['recomputed_tokens']:,}"
-        )
+    by = _results("compare_scheduler_churn")
+    parts = [f"{m} " + versus(by, "kvoffload", m) for m in ("eager", "lazy")]
     return (
         f"The churn trace (`--trace churn`: {t['requests']:,} requests over {t['systems']} "
         f"shared {t['system_tokens']}-token prompts plus {t['unique_tokens']} unique tokens, "

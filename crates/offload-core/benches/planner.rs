@@ -95,6 +95,16 @@ fn fill(p: &mut Planner, rng: &mut Rng) {
 }
 
 /// Median of per-iteration samples.
+/// Records one criterion sample of `iters` iterations that took `t`, as nanoseconds per
+/// iteration divided by `per`, and hands `t` back to criterion.
+fn sample(samples: &Mutex<Vec<f64>>, t: Duration, iters: u64, per: f64) -> Duration {
+    samples
+        .lock()
+        .expect("samples")
+        .push(t.as_nanos() as f64 / iters as f64 / per);
+    t
+}
+
 fn report(name: &str, unit: &str, samples: Mutex<Vec<f64>>) {
     let mut s = samples.into_inner().expect("samples");
     s.sort_by(f64::total_cmp);
@@ -211,11 +221,7 @@ fn decode_step(c: &mut Criterion) {
                 for _ in 0..iters {
                     d.step();
                 }
-                let t = start.elapsed();
-                samples
-                    .lock()
-                    .expect("samples")
-                    .push(t.as_nanos() as f64 / iters as f64 / 1e3);
+                let t = sample(&samples, start.elapsed(), iters, 1e3);
                 stored
                     .lock()
                     .expect("samples")
@@ -256,12 +262,7 @@ fn per_block(c: &mut Criterion) {
                     black_box(p.take_completions());
                     p.request_finished("r", h, BLOCKS * BS).expect("finish");
                 }
-                let t = start.elapsed();
-                samples
-                    .lock()
-                    .expect("samples")
-                    .push(t.as_nanos() as f64 / iters as f64 / BLOCKS as f64);
-                t
+                sample(&samples, start.elapsed(), iters, BLOCKS as f64)
             });
         });
         report(&format!("planner/store/{BLOCKS}"), "ns/block", samples);
@@ -302,12 +303,7 @@ fn per_block(c: &mut Criterion) {
                     p.complete(store.id, true).expect("complete");
                     black_box(p.take_completions());
                 }
-                let t = start.elapsed();
-                samples
-                    .lock()
-                    .expect("samples")
-                    .push(t.as_nanos() as f64 / iters as f64 / BLOCKS as f64);
-                t
+                sample(&samples, start.elapsed(), iters, BLOCKS as f64)
             });
         });
         report(&format!("planner/store_lazy/{BLOCKS}"), "ns/block", samples);
@@ -346,12 +342,7 @@ fn per_block(c: &mut Criterion) {
                     // Dropped before its blocks are confirmed: no eager store check.
                     p.request_finished("r", &prefix, 0).expect("finish");
                 }
-                let t = start.elapsed();
-                samples
-                    .lock()
-                    .expect("samples")
-                    .push(t.as_nanos() as f64 / iters as f64 / BLOCKS as f64);
-                t
+                sample(&samples, start.elapsed(), iters, BLOCKS as f64)
             });
         });
         report(&format!("planner/load/{BLOCKS}"), "ns/block", samples);
@@ -366,12 +357,7 @@ fn per_block(c: &mut Criterion) {
                 for _ in 0..iters {
                     black_box(p.lookup("stuck", &prefix, num_tokens, 0).expect("lookup"));
                 }
-                let t = start.elapsed();
-                samples
-                    .lock()
-                    .expect("samples")
-                    .push(t.as_nanos() as f64 / iters as f64);
-                t
+                sample(&samples, start.elapsed(), iters, 1.0)
             });
         });
         report(
@@ -416,12 +402,7 @@ fn per_block(c: &mut Criterion) {
                     assert_eq!(hit, BLOCKS * BS);
                     p.request_finished("r", prefix, 0).expect("finish");
                 }
-                let t = start.elapsed();
-                samples
-                    .lock()
-                    .expect("samples")
-                    .push(t.as_nanos() as f64 / iters as f64 / BLOCKS as f64);
-                t
+                sample(&samples, start.elapsed(), iters, BLOCKS as f64)
             });
         });
         report(&format!("planner/{label}/{BLOCKS}"), "ns/block", samples);
