@@ -479,6 +479,28 @@ fn lazy_mode_stores_only_candidates_and_releases_them() {
 }
 
 #[test]
+fn a_prefix_stored_in_free_order_is_hit_whole() {
+    // vLLM frees a request's blocks last first, so a lazy store puts its prefix in
+    // descending CPU blocks, down to block 0; a lookup follows it to the end.
+    let none = Vec::<common::planner::Sched<'_>>::new;
+    let mut p = planner(4, 1, true);
+    let h = hashes(1, 4);
+    let freed: Vec<_> = (0..4u32)
+        .rev()
+        .map(|i| (20 + i, key(h[i as usize])))
+        .collect();
+    let store = p.schedule(none(), freed).unwrap().store.unwrap();
+    assert_eq!(store.cpu_blocks, vec![0, 1, 2, 3]);
+    complete_on_every_rank(&mut p, store.id);
+    assert_eq!(p.lookup("b", &h, 65, 0), Ok(64));
+    let gpu = [7, 8, 9, 10, 11];
+    p.on_alloc("b", &gpu, 0, 64).unwrap();
+    let load = step(&mut p, [new_req("b", 0, &gpu, &h)]).loads.remove(0);
+    assert_eq!(load.gpu_blocks, vec![7, 8, 9, 10]);
+    assert_eq!(load.cpu_blocks, vec![3, 2, 1, 0]);
+}
+
+#[test]
 fn lazy_blocks_offered_between_steps_join_the_next_store() {
     let k = |h| key(BlockHash(h));
     let none = Vec::<common::planner::Sched<'_>>::new;
