@@ -131,7 +131,8 @@ MP_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         prompts = json.loads({prompts!r})
-        with engine({model!r}, offload_config(), distributed_executor_backend="mp",
+        with engine({model!r}, offload_config(lazy_offload={lazy!r}),
+                    distributed_executor_backend="mp",
                     max_num_seqs=2) as llm:
             first = generate(llm, prompts)
             reset_gpu_prefix_cache(llm)
@@ -142,12 +143,19 @@ MP_SCRIPT = textwrap.dedent(
 )
 
 
-def test_multiprocess_engine_pickles_metadata(tiny_model: Path, reference: list[list[int]]) -> None:
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_multiprocess_engine_pickles_metadata(
+    tiny_model: Path, reference: list[list[int]], lazy: bool
+) -> None:
     """Default multiprocess mode: engine core and worker in their own processes, so the
-    scheduler's metadata and the workers' reports cross process boundaries."""
+    scheduler's metadata (lazy: stores copied before the forward pass) and the workers'
+    reports cross process boundaries."""
     prompts = PROMPTS[:6]
     script = MP_SCRIPT.format(
-        tests=str(Path(__file__).parent), prompts=json.dumps(prompts), model=str(tiny_model)
+        tests=str(Path(__file__).parent),
+        prompts=json.dumps(prompts),
+        model=str(tiny_model),
+        lazy=lazy,
     )
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     result = run_script(script, env)
