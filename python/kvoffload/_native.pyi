@@ -90,7 +90,9 @@ class Planner:
         stores_after_forward: bool = False,
         groups: Sequence[tuple[str, int | None]] | None = None,
     ) -> Planner:
-        """``groups``: per KV-cache group, vLLM's spec kind (``"full_attention"``,
+        """``stores_after_forward``: each step's store is copied within the step (KV in
+        host memory), an eager one after the forward pass, a lazy one before it.
+        ``groups``: per KV-cache group, vLLM's spec kind (``"full_attention"``,
         ``"mla_attention"``, ``"sliding_window"``) and the tokens a sliding-window group
         keeps (``sliding_window + extra_retained_tokens``; ``None`` otherwise). Omitted:
         one full-attention group."""
@@ -150,11 +152,13 @@ class Planner:
         list[_LoadTuple], _StoreTuple | None, list[int], list[tuple[int, int] | None], list[int]
     ]:
         """Returns ``(loads, store, held_gpu_blocks, store_sources, store_groups)``: held
-        GPU blocks (lazy mode's selected blocks, sliding-window blocks a multi-group store
-        reads) must be kept from reuse until ``complete`` releases them; with events on,
-        ``store_sources`` says for each stored block its request's index in the store's
-        ``req_ids`` and its block position (``None``: a lazy candidate); with several
-        KV-cache groups, ``store_groups`` says each stored block's group."""
+        GPU blocks (lazy mode's selected blocks, none with ``stores_after_forward``, where
+        a lazy store is copied before the step's forward pass; sliding-window blocks a
+        multi-group store reads) must be kept from reuse until ``complete`` releases
+        them; with events on, ``store_sources`` says for each stored block its request's
+        index in the store's ``req_ids`` and its block position (``None``: a lazy
+        candidate); with several KV-cache groups, ``store_groups`` says each stored
+        block's group."""
     def schedule_output(
         self,
         scheduler_output: Any,
