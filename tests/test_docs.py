@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
+import render_data  # noqa: E402
 import render_docs  # noqa: E402
 
 
@@ -59,7 +60,7 @@ planner/decode_step/64: 4.511 us/step
 planner/decode_step/64 stored: 4.000 blocks/step
 transfer_host/consecutive/256: round trip 539.0 ns/block, submit 39.7 ns/block
 """
-    assert render_docs.parse_bench_summary(text) == {
+    assert render_data.parse_bench_summary(text) == {
         "index/lookup/hit/48505": {"ns/op": 6.1, "M ops/s": 165.0},
         "planner/decode_step/64": {"us/step": 4.511},
         "transfer_host/consecutive/256": {"round trip": 539.0, "submit": 39.7},
