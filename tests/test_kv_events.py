@@ -52,3 +52,78 @@ def test_reset_drops_snapshots_and_published_hashes(model: Path) -> None:
     assert any(type(e).__name__ == "AllBlocksCleared" for e in h.events)
     assert log.num_snapshots == 0
     assert log.num_resident == 0
+
+
+def test_a_lazy_block_freed_again_is_published_under_its_new_hash() -> None:
+    """A freed block offered between steps but not stored (its hash is on CPU already) is
+    reallocated later under another hash and freed again: the store that takes it then
+    publishes the new hash, not the one it had when it was offered."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import (
+        get_block_hash,
+        make_block_hash_with_group_id,
+        maybe_convert_block_hash,
+    )
+
+    from kvoffload import parse_config
+    from kvoffload.metadata import KVOffloadWorkerMetadata
+    from kvoffload.scheduler import OffloadScheduler
+    from kvoffload.vllm_adapter import EventSpec
+
+    config, _ = parse_config({"cpu_bytes_to_use": 1 << 20, "lazy_offload": True}, 1)
+    sched = OffloadScheduler(
+        config,
+        block_size=16,
+        num_cpu_blocks=8,
+        events=[EventSpec("full_attention", None)],
+        max_num_batched_tokens=1024,  # every freed block is offered between steps
+        sync_loads=False,
+    )
+    pool = BlockPool(8, True, 16)
+    sched.bind_gpu_block_pool(pool)
+    # A waiting request: vLLM keeps stepping, so freed blocks are offered.
+    waiting = SimpleNamespace(
+        request_id="w", block_hashes=[], num_tokens=16, skip_reading_prefix_cache=False
+    )
+    sched.get_num_new_matched_tokens(waiting, 0)
+    no_output = SimpleNamespace(
+        kv_connector_worker_meta=None, finished_sending=None, finished_recving=None
+    )
+    hash_a = make_block_hash_with_group_id(b"a" * 32, 0)
+    hash_b = make_block_hash_with_group_id(b"b" * 32, 0)
+    no_step = SimpleNamespace(preempted_req_ids=None)
+
+    def freed(h: bytes) -> Any:
+        (block,) = pool.get_new_blocks(1)
+        block.set_block_hash(h)
+        pool.free_blocks([block])
+        return block
+
+    def retire(store: Any) -> list[Any]:
+        done = KVOffloadWorkerMetadata(transfer_ids=[store[0]], ok=[True])
+        sched.update_connector_output(
+            SimpleNamespace(
+                kv_connector_worker_meta=done, finished_sending=None, finished_recving=None
+            )
+        )
+        return sched.take_events()
+
+    # Hash A is stored once, from a first block.
+    first = freed(hash_a)
+    sched.update_connector_output(no_output)
+    retire(sched.build_connector_meta(no_step).store)
+    # The block comes back (its store retired): offered again, A is on CPU, not stored,
+    # and the next plan has no store.
+    sched.update_connector_output(no_output)
+    assert sched.build_connector_meta(no_step).store is None
+    # vLLM reallocates it (evicting A) and frees it under B before the next plan.
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert first in taken
+    first.set_block_hash(hash_b)
+    pool.free_blocks([first])
+    store = sched.build_connector_meta(no_step).store
+    assert store is not None
+    stored = cpu_stored(retire(store))
+    assert [e.block_hashes for e in stored] == [[maybe_convert_block_hash(get_block_hash(hash_b))]]

@@ -195,11 +195,15 @@ class OffloadScheduler:
         if self._events is not None:
             if store is not None:
                 requests = self._requests if not self._finished else self._finished_first()
-                lazy = dict(zip(lazy_ids, lazy_hashes, strict=True)) if lazy_ids else {}
-                if self._offered:
-                    lazy.update(self._offered)
-                    self._offered.clear()
+                # Offered between steps, or walked now: the walk saw the newer hash.
+                lazy = self._offered
+                if lazy_ids:
+                    lazy.update(zip(lazy_ids, lazy_hashes, strict=True))
                 self._events.store_issued(store, sources, requests, lazy, groups)
+            # What was offered since the last plan and chosen is in this store; the rest
+            # was not stored, and its block may come back under another hash.
+            if self._offered:
+                self._offered.clear()
             self._finished.clear()
         if held:
             holder = self._walker or self._holder
