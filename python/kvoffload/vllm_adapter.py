@@ -422,7 +422,6 @@ class FreeQueueWalker(GpuBlockHolder):
         self.queue = gpu_block_pool.free_block_queue
         self._head = self.queue.fake_free_list_head
         self._tail = self.queue.fake_free_list_tail
-        self._cursor: Any = None
         self._follow_removals(self.queue)
 
     def _follow_removals(self, queue: Any) -> None:
