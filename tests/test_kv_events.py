@@ -1,13 +1,25 @@
 """kvoffload's CPU events beyond vLLM's scenarios: what it keeps to build them stays bounded
-by the blocks in flight and on CPU, whatever happens to a store."""
+by the blocks in flight and on CPU, whatever happens to a store, and a lazily stored block
+is published under the hash it had when its store was issued."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import (
+    get_block_hash,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+)
 
+from kvoffload import parse_config
+from kvoffload.metadata import KVOffloadWorkerMetadata
+from kvoffload.scheduler import OffloadScheduler
+from kvoffload.vllm_adapter import EventSpec
 from sched_harness import SchedHarness, model_config_dir
 
 
@@ -58,20 +70,6 @@ def test_a_lazy_block_freed_again_is_published_under_its_new_hash() -> None:
     """A freed block offered between steps but not stored (its hash is on CPU already) is
     reallocated later under another hash and freed again: the store that takes it then
     publishes the new hash, not the one it had when it was offered."""
-    from types import SimpleNamespace
-
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_utils import (
-        get_block_hash,
-        make_block_hash_with_group_id,
-        maybe_convert_block_hash,
-    )
-
-    from kvoffload import parse_config
-    from kvoffload.metadata import KVOffloadWorkerMetadata
-    from kvoffload.scheduler import OffloadScheduler
-    from kvoffload.vllm_adapter import EventSpec
-
     config, _ = parse_config({"cpu_bytes_to_use": 1 << 20, "lazy_offload": True}, 1)
     sched = OffloadScheduler(
         config,
