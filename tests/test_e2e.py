@@ -162,3 +162,63 @@ def test_multiprocess_engine_pickles_metadata(
     assert result["first"] == reference[:6]
     assert result["again"] == reference[:6]
     assert result["hits"] > 0
+
+
+#: Prompt lookup (n-gram) drafting down to one-token matches, which the random prompts
+#: offer often: drafts are proposed and (the random-weight model disagreeing) rejected, so
+#: steps schedule more tokens than they keep.
+SPECULATIVE = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 2,
+}
+
+# vLLM 0.32's CPU platform fails to start a second engine with n-gram drafting in one
+# process (its kernel-override scan trips over what the first one loaded): one interpreter
+# per engine.
+SPEC_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from vllm_harness import counter, cpu_hit_tokens, engine, generate, offload_config
+
+    prompts = json.loads({prompts!r})
+    cfg = None if {lazy!r} is None else offload_config(lazy_offload={lazy!r})
+    with engine({model!r}, cfg, speculative_config={spec!r}, max_num_seqs=2) as llm:
+        out = generate(llm, prompts + prompts, 16)
+        drafted = counter(llm, "vllm:spec_decode_num_draft_tokens")
+        print("RESULT", json.dumps({{"out": out, "hits": cpu_hit_tokens(llm),
+                                     "drafted": drafted}}))
+    """
+)
+
+
+def run_speculative(model: Path, lazy: bool | None) -> dict[str, Any]:
+    """Outputs of ``PROMPTS[:12]`` twice with n-gram drafting; ``lazy=None``: no connector."""
+    script = SPEC_SCRIPT.format(
+        tests=str(Path(__file__).parent),
+        prompts=json.dumps(PROMPTS[:12]),
+        model=str(model),
+        lazy=lazy,
+        spec=SPECULATIVE,
+    )
+    result = run_script(script, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert result["drafted"] > 0
+    return result
+
+
+@pytest.fixture(scope="module")
+def spec_reference(tiny_model: Path) -> list[list[int]]:
+    return list(run_speculative(tiny_model, None)["out"])
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_speculative_decoding_outputs_match_and_hit_cpu(
+    tiny_model: Path, spec_reference: list[list[int]], lazy: bool
+) -> None:
+    """Speculative decoding: rejected draft tokens are scheduled, computed and dropped, so
+    a block full of scheduled tokens may not be final; only blocks vLLM hashed are stored."""
+    result = run_speculative(tiny_model, lazy)
+    assert result["out"] == spec_reference
+    assert result["hits"] > 0
