@@ -4,6 +4,7 @@
 (initializer_range=0.25) makes the output depend visibly on the KV cache.
 ``build_demo_llama``: the demo's model, a realistic shape scaled down for a small CPU, so
 that a prefill costs far more than copying its KV cache.
+``build_tiny_lora``: a random LoRA adapter (PEFT layout) for a tiny Llama.
 """
 
 from __future__ import annotations
@@ -150,6 +151,45 @@ def build_sliding_window_llama(tiny: Path, path: str | Path, layer_types: list[s
     cfg["layer_types"] = layer_types
     cfg["sliding_window"] = 256
     (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def build_tiny_lora(base: Path, path: str | Path, *, rank: int = 8, seed: int = 0) -> Path:
+    """A random rank-``rank`` LoRA adapter on the ``q_proj`` and ``v_proj`` of every layer
+    of the Llama at ``base``, in PEFT's layout, large enough to change its outputs."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    cfg = json.loads((base / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    outs = {
+        "q_proj": cfg["num_attention_heads"] * cfg["head_dim"],
+        "v_proj": cfg["num_key_value_heads"] * cfg["head_dim"],
+    }
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, out in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) / 2
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) / 2
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(outs),
+        "bias": "none",
+        "fan_in_fan_out": False,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter))
     return path
 
 
