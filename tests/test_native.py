@@ -203,6 +203,24 @@ def test_planner_stats_report_says_each_change_once() -> None:
     assert p.take_stats_report() == ({"store_blocks": 4}, {"cpu_blocks_used": 4})
 
 
+def test_schedule_lazy_passes_only_the_candidates_and_says_none_when_idle() -> None:
+    """A lazy planner's step without the request lists: ``None`` when nothing is planned,
+    the plan ``schedule`` returns otherwise; planners that read the requests refuse it."""
+    p = _native.Planner(16, 64, lazy=True)
+    assert p.schedule_lazy() is None
+    assert p.schedule_lazy([], [], 4) is None
+    hashes = [bytes([i]) * 32 + bytes(4) for i in range(1, 4)]
+    loads, store, held, _, _ = p.schedule_lazy([7, 8, 9], hashes, 4)
+    assert loads == []
+    assert store is not None and store[1] == ids(7, 8, 9)
+    assert held == [7, 8, 9]
+    # Stored already: offered again, nothing is planned.
+    p.complete([store[0]], [True])
+    assert p.schedule_lazy([7, 8, 9], hashes, 4) is None
+    with pytest.raises(kvoffload.InvalidInputError, match="schedule_lazy"):
+        _native.Planner(16, 64).schedule_lazy()
+
+
 def _scheduler_output(new: list[Any], cached: Any, scheduled: dict[str, int]) -> Any:
     return SimpleNamespace(
         scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled

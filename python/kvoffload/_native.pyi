@@ -173,6 +173,24 @@ class Planner:
         """``schedule`` for vLLM: the request lists are read from its ``SchedulerOutput``
         (``scheduled_new_reqs``, ``scheduled_cached_reqs``, and ``num_scheduled_tokens``
         with ``after_forward``, for planners whose stores run after the forward pass)."""
+    def schedule_lazy(
+        self,
+        lazy_gpu_block_ids: list[int] | None = None,
+        lazy_block_hashes: list[bytes] | None = None,
+        strip: int = 0,
+    ) -> (
+        tuple[
+            list[_LoadTuple],
+            _StoreTuple | None,
+            list[int],
+            list[tuple[int, int] | None],
+            list[int],
+        ]
+        | None
+    ):
+        """``schedule`` for a planner that does not read the scheduled requests
+        (``reads_scheduled_requests`` false): only the lazy candidates; ``None`` when the
+        step plans nothing. Refused (``InvalidInputError``) by other planners."""
     def request_finished(
         self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int
     ) -> bool: ...

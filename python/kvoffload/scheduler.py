@@ -23,9 +23,6 @@ from kvoffload.vllm_adapter import (
 #: (the same watermark as vLLM's SimpleCPUOffloadConnector).
 LAZY_WATERMARK_STEPS = 2
 
-#: The request lists of ``Planner.schedule`` when the planner does not read them.
-NO_REQUESTS: tuple[Any, ...] = ([], [], [], [], [], [], ())
-
 
 class OffloadScheduler:
     """Owns the planner; one Rust call per vLLM call, never one per block."""
@@ -178,7 +175,7 @@ class OffloadScheduler:
         if self._walker is not None:
             lazy_ids, lazy_hashes = self._walker.candidates(self._lazy_limit)
         if self._reads_requests:
-            loads, store, held, sources, groups = planner.schedule_output(
+            plan = planner.schedule_output(
                 scheduler_output,
                 self._hash_lists,
                 lazy_ids,
@@ -187,9 +184,12 @@ class OffloadScheduler:
                 after_forward,
             )
         else:
-            loads, store, held, sources, groups = planner.schedule(
-                *NO_REQUESTS, self._hash_lists, lazy_ids, lazy_hashes, GROUP_ID_BYTES
-            )
+            # Most lazy steps plan nothing: then no plan tuple is built at all.
+            plan = planner.schedule_lazy(lazy_ids, lazy_hashes, GROUP_ID_BYTES)
+        if plan is None:
+            loads, store, held, sources, groups = [], None, (), (), ()
+        else:
+            loads, store, held, sources, groups = plan
         preempted = scheduler_output.preempted_req_ids
         preempted = list(preempted) if preempted else []
         if self._events is not None:

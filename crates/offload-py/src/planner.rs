@@ -6,7 +6,7 @@ use std::sync::Arc;
 use offload_core::tier::{ProbeQueue, TierStats};
 use offload_core::{
     BlockHash, GroupKind, KvEvent, LookupOutcome, Planner, PlannerConfig, PlannerStats,
-    ScheduleKind,
+    ScheduleKind, ScheduledRequest,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -428,6 +428,32 @@ impl PyPlanner {
             strip,
             num_scheduled_tokens,
         )
+    }
+
+    /// [`schedule`](Self::schedule) for a planner that does not read the scheduled
+    /// requests (`reads_scheduled_requests` is false: lazy, one KV-cache group): only the
+    /// step's lazy candidates cross, not eight empty request arguments every step.
+    #[pyo3(signature = (lazy_gpu_block_ids = None, lazy_block_hashes = None, strip = 0))]
+    fn schedule_lazy<'py>(
+        &mut self,
+        py: Python<'py>,
+        lazy_gpu_block_ids: Option<&Bound<'py, PyList>>,
+        lazy_block_hashes: Option<&Bound<'py, PyList>>,
+        strip: usize,
+    ) -> PyResult<Option<StepTuple<'py>>> {
+        if self.inner.reads_scheduled_requests() {
+            return Err(INVALID_INPUT_ERROR.err(
+                "schedule_lazy: this planner reads the scheduled requests (eager mode, or \
+                 several KV-cache groups); call schedule or schedule_output",
+            ));
+        }
+        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
+        let none = std::iter::empty::<ScheduledRequest<'_, PyHashes<'py>>>();
+        let plan = self.inner.schedule(none, lazy).map_err(plan_err)?;
+        if plan.is_empty() && plan.held_gpu_blocks.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(step_to_py(py, plan)))
     }
 
     /// `req_id` finished; returns whether vLLM must keep its GPU blocks.
