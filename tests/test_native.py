@@ -212,7 +212,8 @@ def test_schedule_lazy_passes_only_the_candidates_and_says_none_when_idle() -> N
     hashes = [bytes([i]) * 32 + bytes(4) for i in range(1, 4)]
     loads, store, held, _, _ = p.schedule_lazy([7, 8, 9], hashes, 4)
     assert loads == []
-    assert store is not None and store[1] == ids(7, 8, 9)
+    assert store is not None
+    assert store[1] == ids(7, 8, 9)
     assert held == [7, 8, 9]
     # Stored already: offered again, nothing is planned.
     p.complete([store[0]], [True])
