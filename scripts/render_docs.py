@@ -67,10 +67,6 @@ def region(name: str) -> Callable[[Region], Region]:
     return add
 
 
-def _sched() -> dict[tuple[str, str], dict[str, Any]]:
-    return _results("compare_scheduler")
-
-
 def _results(name: str) -> dict[tuple[str, str], dict[str, Any]]:
     """A scheduler comparison's results by ``(connector, mode)``."""
     return {(r["connector"], r["mode"]): r for r in load_json(f"benchmarks/{name}.json")["results"]}
@@ -97,7 +93,7 @@ def demo_caption(data: dict[str, Any]) -> str:
 
 @region("performance")
 def performance() -> str:
-    s = _sched()
+    s = _results("compare_scheduler")
     d = load_json("demo.json")
     chat = summarize(d, "chat")
     a, b = chat["vllm"], chat["kvoffload"]
@@ -219,7 +215,7 @@ def bench_machine() -> str:
 
 @region("scheduler")
 def scheduler_table() -> str:
-    s = _sched()
+    s = _results("compare_scheduler")
     modes = ("eager", "lazy")
     reps = {len(r.get("runs_mean_us", [0])) for r in s.values()}
     if len(reps) != 1:
@@ -362,7 +358,7 @@ def churn_line() -> str:
 
 @region("scheduler-breakdown")
 def scheduler_breakdown() -> str:
-    r = _sched()["kvoffload", "eager"]
+    r = _results("compare_scheduler")["kvoffload", "eager"]
     methods = sorted(r["methods"].items(), key=lambda kv: -kv[1]["total_ms"])
     per_step = [(name, 1000 * m["total_ms"] / r["steps"]) for name, m in methods]
     big = [f"`{name}` {us(v)}" for name, v in per_step if v >= 1.0]

@@ -230,27 +230,22 @@ def test_lora_requests_get_their_own_blocks(
     """The same prompts with and without a LoRA adapter: same tokens, different KV, so a
     block stored for one must never be served to the other. Outputs with kvoffload (eager
     and lazy) are token-identical to vLLM's without it."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
     from tiny_model import build_tiny_lora
 
     adapter = LoRARequest("tiny-lora", 1, str(build_tiny_lora(tiny_model, tmp_path / "lora")))
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
     # Each prompt with the adapter, then without it; twice, the GPU cache long evicted.
-    requests = (prompts + prompts) * 2
-    loras = ([adapter] * len(prompts) + [None] * len(prompts)) * 2
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    n = len(PROMPTS)
+    requests = (PROMPTS + PROMPTS) * 2
+    loras = ([adapter] * n + [None] * n) * 2
     lora_args = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, **ENGINE_ARGS}
 
     def run(cfg: dict[str, Any] | None) -> tuple[list[list[int]], int]:
         with engine(tiny_model, cfg, **lora_args) as llm:
-            outs = llm.generate(requests, params, lora_request=loras, use_tqdm=False)
-            return [list(o.outputs[0].token_ids) for o in outs], cpu_hit_tokens(llm)
+            return generate(llm, requests, lora_requests=loras), cpu_hit_tokens(llm)
 
     expected, _ = run(None)
-    n = len(prompts)
     assert expected[n : 2 * n] == reference
     assert expected[:n] != reference  # the adapter changes the outputs
     for lazy in (False, True):

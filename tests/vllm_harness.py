@@ -76,12 +76,23 @@ def shared_prefix_prompts(
     ]
 
 
-def generate(llm: Any, prompts: Sequence[list[int]], max_tokens: int = 8) -> list[list[int]]:
+def generate(
+    llm: Any,
+    prompts: Sequence[list[int]],
+    max_tokens: int = 8,
+    lora_requests: Sequence[Any] | None = None,
+) -> list[list[int]]:
+    """Greedy outputs of ``prompts`` (``lora_requests``: vLLM's per-prompt adapters)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        params,
+        lora_request=None if lora_requests is None else list(lora_requests),
+        use_tqdm=False,
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 

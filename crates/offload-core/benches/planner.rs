@@ -94,7 +94,6 @@ fn fill(p: &mut Planner, rng: &mut Rng) {
     assert_eq!(p.cache().num_evictable(), n);
 }
 
-/// Median of per-iteration samples.
 /// Records one criterion sample of `iters` iterations that took `t`, as nanoseconds per
 /// iteration divided by `per`, and hands `t` back to criterion.
 fn sample(samples: &Mutex<Vec<f64>>, t: Duration, iters: u64, per: f64) -> Duration {
@@ -105,6 +104,7 @@ fn sample(samples: &Mutex<Vec<f64>>, t: Duration, iters: u64, per: f64) -> Durat
     t
 }
 
+/// Median of per-iteration samples.
 fn report(name: &str, unit: &str, samples: Mutex<Vec<f64>>) {
     let mut s = samples.into_inner().expect("samples");
     s.sort_by(f64::total_cmp);
