@@ -19,3 +19,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny_llama")
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with the tiny model's config only: what the real-``Scheduler`` tests
+    (``sched_harness``) need, without building weights."""
+    from sched_harness import model_config_dir
+
+    return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))

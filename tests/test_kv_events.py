@@ -8,7 +8,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     get_block_hash,
@@ -20,12 +19,7 @@ from kvoffload import parse_config
 from kvoffload.metadata import KVOffloadWorkerMetadata
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.vllm_adapter import EventSpec
-from sched_harness import SchedHarness, model_config_dir
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))
+from sched_harness import SchedHarness
 
 
 def cpu_stored(events: list[Any]) -> list[Any]:

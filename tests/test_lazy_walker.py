@@ -35,7 +35,8 @@ def cached_free_blocks(pool: BlockPool) -> list[int]:
 
 
 def offer_all(walker: FreeQueueWalker) -> list[int]:
-    return walker.candidates(limit=10 * NUM_BLOCKS)[0]
+    walked = walker.candidates(limit=10 * NUM_BLOCKS)
+    return walked[0] if walked is not None else []
 
 
 def freed_cached_blocks(pool: BlockPool, hashes: Hashes, n: int) -> list[KVCacheBlock]:
@@ -122,7 +123,7 @@ def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None
                 pool.free_blocks(refs[:n])
                 del refs[:n]
             elif op == "walk":
-                ids, got = walker.candidates(limit=rng.randint(1, NUM_BLOCKS))
+                ids, got = walker.candidates(limit=rng.randint(1, NUM_BLOCKS)) or ([], [])
                 assert got == [pool.blocks[i].block_hash for i in ids]
                 assert not offered.intersection(ids), f"seed {seed} step {step}: re-offered"
                 offered.update(ids)

@@ -16,18 +16,13 @@ import pytest
 
 from kvoffload.connector import KVOffloadConnector
 from kvoffload.metadata import KVOffloadMetadata
-from sched_harness import SchedHarness, full_attention, kv_cache_config, model_config_dir
+from sched_harness import SchedHarness, full_attention, kv_cache_config
 from vllm_harness import run_script
 
 NUM_GPU_BLOCKS = 16
 #: One layer of the harness's geometry: 16 tokens x 1 head x 16 x float16 x (K, V).
 LAYER_BYTES = 1024
 CPU_BLOCKS_OF_ONE_LAYER = 8
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))
 
 
 class Rank:

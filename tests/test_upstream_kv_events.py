@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvoffload import ConfigError
-from sched_harness import BLOCK_SIZE, SchedHarness, full_attention, model_config_dir, sliding_window
+from sched_harness import BLOCK_SIZE, SchedHarness, full_attention, sliding_window
 
 BS = BLOCK_SIZE
 LAYER = "model.layers.0.self_attn.attn"
@@ -39,11 +39,6 @@ MAMBA_TOKENS_DIFFERENCE = (
     "Simple empties them under DCP, where its capture slices tokens with the DCP-scaled "
     "size and its event uses the Mamba spec's (its workaround until vLLM #49962)"
 )
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))
 
 
 def of_type(events: list[Any], name: str) -> list[Any]:

@@ -14,14 +14,9 @@ from typing import Any
 
 import pytest
 
-from sched_harness import BLOCK_SIZE, SchedHarness, Step, model_config_dir
+from sched_harness import BLOCK_SIZE, SchedHarness, Step
 
 BS = BLOCK_SIZE
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))
 
 
 def stores(steps: list[Step]) -> list:

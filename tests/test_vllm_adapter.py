@@ -34,7 +34,7 @@ def test_walker_offers_hashed_free_blocks_oldest_first_and_resumes() -> None:
     assert got == hashes  # LRU order; the planner drops the 4-byte group id
     assert len(set(ids)) == 4
     # Nothing new since: the cursor resumes after the last block seen.
-    assert walker.candidates(limit=100) == ([], [])
+    assert walker.candidates(limit=100) is None
     walker.reset()
     assert walker.candidates(limit=100)[1] == hashes
 

@@ -167,12 +167,20 @@ class Planner:
         lazy_block_hashes: list[bytes] | None = None,
         strip: int = 0,
         after_forward: bool = False,
-    ) -> tuple[
-        list[_LoadTuple], _StoreTuple | None, list[int], list[tuple[int, int] | None], list[int]
-    ]:
+    ) -> (
+        tuple[
+            list[_LoadTuple],
+            _StoreTuple | None,
+            list[int],
+            list[tuple[int, int] | None],
+            list[int],
+        ]
+        | None
+    ):
         """``schedule`` for vLLM: the request lists are read from its ``SchedulerOutput``
         (``scheduled_new_reqs``, ``scheduled_cached_reqs``, and ``num_scheduled_tokens``
-        with ``after_forward``, for planners whose stores run after the forward pass)."""
+        with ``after_forward``, for planners whose stores run after the forward pass);
+        ``None`` when the step moves and holds nothing."""
     def schedule_lazy(
         self,
         lazy_gpu_block_ids: list[int] | None = None,

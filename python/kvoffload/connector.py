@@ -41,6 +41,8 @@ from kvoffload.vllm_adapter import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
     from kvoffload.worker import OffloadWorker
@@ -274,23 +276,26 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is None:
-            return False, None
-        return self._scheduler.request_finished(request), None
+        return self._finished(request)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         # The planner tracks every group's blocks itself; the finish flushes them all.
-        if self._scheduler is None:
-            return False, None
-        return self._scheduler.request_finished(request), None
+        return self._finished(request)
 
-    def take_events(self) -> list[Any]:
-        # Asked after every step: without KV events there is nothing to take.
+    def _finished(self, request: Any) -> tuple[bool, None]:
+        # Constant tuples: a finish allocates nothing here (see `IDLE_STEP`).
+        if self._scheduler is not None and self._scheduler.request_finished(request):
+            return True, None
+        return False, None
+
+    def take_events(self) -> Iterable[Any]:
+        # Asked after every step: without KV events there is nothing to take (and the
+        # empty tuple is a constant, where a list would be an allocation every step).
         scheduler = self._scheduler
         if scheduler is None or scheduler.event_log is None:
-            return []
+            return ()
         return scheduler.take_events()
 
     def reset_cache(self) -> bool | None:

@@ -44,6 +44,13 @@ class KVOffloadMetadata(KVConnectorMetadata):
     store_hashes: tuple[bytes, bytes] | None = None
 
 
+#: The metadata of every step that moves nothing, which is most steps. vLLM builds a
+#: step's metadata right after allocating its scheduler output, so the next allocation is
+#: where its garbage collector tends to run; one shared instance keeps the connector from
+#: being that allocation. Never mutated: a step that moves anything gets its own.
+IDLE_STEP = KVOffloadMetadata()
+
+
 @dataclass
 class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers -> scheduler: transfers this rank finished since its last report."""

@@ -6,7 +6,7 @@ from typing import Any
 
 from kvoffload._native import KVOffloadError, OffloadConfig, Planner
 from kvoffload.events import GROUP_ID_BYTES, CpuEventLog
-from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.metadata import IDLE_STEP, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import KVOffloadStats
 from kvoffload.vllm_adapter import (
     FULL_KINDS,
@@ -149,7 +149,9 @@ class OffloadScheduler:
         if hit is None:
             # The remote tier is being asked; vLLM keeps the request waiting this step.
             return None, False
-        return hit, hit > 0 and self._async_loads
+        if not hit:
+            return 0, False  # a constant: most lookups allocate nothing (see `IDLE_STEP`)
+        return hit, self._async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -173,7 +175,9 @@ class OffloadScheduler:
         planner = self._planner
         lazy_ids = lazy_hashes = None
         if self._walker is not None:
-            lazy_ids, lazy_hashes = self._walker.candidates(self._lazy_limit)
+            walked = self._walker.candidates(self._lazy_limit)
+            if walked is not None:
+                lazy_ids, lazy_hashes = walked
         if self._reads_requests:
             plan = planner.schedule_output(
                 scheduler_output,
@@ -187,11 +191,9 @@ class OffloadScheduler:
             # Most lazy steps plan nothing: then no plan tuple is built at all.
             plan = planner.schedule_lazy(lazy_ids, lazy_hashes, GROUP_ID_BYTES)
         if plan is None:
-            loads, store, held, sources, groups = [], None, (), (), ()
+            loads, store, held, sources, groups = (), None, (), (), ()
         else:
             loads, store, held, sources, groups = plan
-        preempted = scheduler_output.preempted_req_ids
-        preempted = list(preempted) if preempted else []
         if self._events is not None:
             if store is not None:
                 requests = self._requests if not self._finished else self._finished_first()
@@ -209,6 +211,12 @@ class OffloadScheduler:
             holder = self._walker or self._holder
             if holder is not None:
                 holder.hold(held)
+        preempted = scheduler_output.preempted_req_ids
+        if plan is None:
+            if not preempted and not self._has_remote:
+                return IDLE_STEP
+            loads = []
+        preempted = list(preempted) if preempted else []
         # Positional (loads, store, store_before_forward, store_after_forward,
         # preempted_req_ids): built every step, and keywords cost a dict. Within the step
         # (KV in host memory), a lazy store goes before the forward pass, an eager one after.
@@ -250,9 +258,10 @@ class OffloadScheduler:
             or walker.queue.num_free_blocks > self._offer_below
         ):
             return
-        ids, hashes = walker.candidates(self._lazy_limit)
-        if not ids:
+        walked = walker.candidates(self._lazy_limit)
+        if walked is None or not walked[0]:
             return
+        ids, hashes = walked
         held = self._planner.offer_lazy(ids, hashes, GROUP_ID_BYTES)
         if held:
             walker.hold(held)

@@ -453,17 +453,18 @@ class FreeQueueWalker(GpuBlockHolder):
     def reset(self) -> None:
         self._cursor = None
 
-    def candidates(self, limit: int) -> tuple[list[int], list[bytes]]:
+    def candidates(self, limit: int) -> tuple[list[int], list[bytes]] | None:
         """Examines up to ``limit`` blocks not examined during their current stay in the
-        queue; returns the ids and hashes (with vLLM's group id) of those with a hash."""
+        queue; returns the ids and hashes (with vLLM's group id) of those with a hash, or
+        ``None`` when no block joined the queue since the previous walk."""
         cursor = self._cursor
         node = self._head.next_free_block if cursor is None else cursor.next_free_block
         tail = self._tail
+        if node is tail:
+            # Most calls; no lists are allocated for them (see `metadata.IDLE_STEP`).
+            return None
         ids: list[int] = []
         hashes: list[bytes] = []
-        if node is tail:
-            # Most calls: nothing joined the queue since the previous walk.
-            return ids, hashes
         add_id, add_hash = ids.append, hashes.append
         # A burst of freed blocks is a few hundred nodes: the loop body is kept minimal.
         for _ in range(limit):

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use offload_core::tier::{ProbeQueue, TierStats};
 use offload_core::{
     BlockHash, GroupKind, KvEvent, LookupOutcome, Planner, PlannerConfig, PlannerStats,
-    ScheduleKind, ScheduledRequest,
+    ScheduleKind, ScheduledRequest, StepPlan,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -18,7 +18,7 @@ use crate::convert::{block_id, block_ids, count, PyHashes};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
 use crate::step::{
     all_group_ids, group0_ids, lazy_candidates, req_id, same_len, scheduled_requests, step_lists,
-    step_to_py, StepTuple,
+    step_or_none, step_to_py, StepTuple,
 };
 use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of, tier_counters};
 use crate::transfer::ids_from_bytes;
@@ -299,93 +299,20 @@ impl PyPlanner {
         strip: usize,
         num_scheduled_tokens: Option<&Bound<'py, PyMapping>>,
     ) -> PyResult<StepTuple<'py>> {
-        same_len(
-            "new request lists",
-            &[
-                new_req_ids.len(),
-                new_num_computed.len(),
-                new_block_ids.len(),
-            ],
+        let plan = self.plan_requests(
+            new_req_ids,
+            new_num_computed,
+            new_block_ids,
+            cached_req_ids,
+            cached_num_computed,
+            cached_new_block_ids,
+            resumed_req_ids,
+            hash_lists,
+            lazy_gpu_block_ids,
+            lazy_block_hashes,
+            strip,
+            num_scheduled_tokens,
         )?;
-        same_len(
-            "cached request lists",
-            &[
-                cached_req_ids.len(),
-                cached_num_computed.len(),
-                cached_new_block_ids.len(),
-            ],
-        )?;
-        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
-        // Request ids are borrowed from the Python strings (kept alive in `names`): no
-        // allocation per request per step.
-        let n = new_req_ids.len() + cached_req_ids.len();
-        let mut names: Vec<Bound<'py, PyString>> = Vec::with_capacity(n);
-        // Group 0's table, or (multi-group planners) every group's; the other is empty.
-        type Tables = (Vec<u32>, Vec<Vec<u32>>);
-        let mut rows: Vec<(ScheduleKind, usize, usize, Tables)> = Vec::with_capacity(n);
-        let multi = self.inner.groups() != [GroupKind::FullAttention];
-        let tables = |v: &Bound<'py, PyAny>| -> PyResult<Tables> {
-            if multi {
-                Ok((Vec::new(), all_group_ids(v)?))
-            } else {
-                Ok((group0_ids(v)?, Vec::new()))
-            }
-        };
-        let scheduled_tokens = |name: &Bound<'py, PyString>| -> PyResult<usize> {
-            let Some(map) = num_scheduled_tokens else {
-                return Ok(0);
-            };
-            // vLLM's is a dict: its lookup skips the generic mapping protocol.
-            let n = match map.cast::<PyDict>() {
-                Ok(dict) => dict.get_item(name)?.ok_or_else(|| {
-                    INVALID_INPUT_ERROR.err(format!(
-                        "num_scheduled_tokens has no entry for request {name}"
-                    ))
-                })?,
-                Err(_) => map.get_item(name)?,
-            };
-            count(n.extract()?, "num_scheduled_tokens")
-        };
-        for i in 0..new_req_ids.len() {
-            let name = req_id(new_req_ids.get_item(i)?)?;
-            let nct = count(
-                new_num_computed.get_item(i)?.extract()?,
-                "num_computed_tokens",
-            )?;
-            let ids = tables(&new_block_ids.get_item(i)?)?;
-            rows.push((ScheduleKind::New, nct, scheduled_tokens(&name)?, ids));
-            names.push(name);
-        }
-        let any_resumed = resumed_req_ids.len().unwrap_or(0) > 0;
-        for i in 0..cached_req_ids.len() {
-            let name = req_id(cached_req_ids.get_item(i)?)?;
-            let nct = count(
-                cached_num_computed.get_item(i)?.extract()?,
-                "num_computed_tokens",
-            )?;
-            let ids = tables(&cached_new_block_ids.get_item(i)?)?;
-            let kind = if any_resumed && resumed_req_ids.contains(&name)? {
-                ScheduleKind::Resumed
-            } else {
-                ScheduleKind::Running
-            };
-            rows.push((kind, nct, scheduled_tokens(&name)?, ids));
-            names.push(name);
-        }
-        let mut ids: Vec<&str> = Vec::with_capacity(names.len());
-        for name in &names {
-            ids.push(name.to_str()?);
-        }
-        let plan = if multi {
-            let tables = rows.into_iter().map(|(k, c, n, (_, all))| (k, c, n, all));
-            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
-            self.inner.schedule_groups(scheduled, lazy)
-        } else {
-            let tables = rows.into_iter().map(|(k, c, n, (one, _))| (k, c, n, one));
-            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
-            self.inner.schedule(scheduled, lazy)
-        }
-        .map_err(plan_err)?;
         Ok(step_to_py(py, plan))
     }
 
@@ -406,15 +333,14 @@ impl PyPlanner {
         lazy_block_hashes: Option<&Bound<'py, PyList>>,
         strip: usize,
         after_forward: bool,
-    ) -> PyResult<StepTuple<'py>> {
+    ) -> PyResult<Option<StepTuple<'py>>> {
         let l = step_lists(scheduler_output, after_forward)?;
         let num_scheduled_tokens = l
             .num_scheduled_tokens
             .as_ref()
             .map(|m| m.cast::<PyMapping>())
             .transpose()?;
-        self.schedule(
-            py,
+        let plan = self.plan_requests(
             &l.new_req_ids,
             &l.new_num_computed,
             &l.new_block_ids,
@@ -427,7 +353,8 @@ impl PyPlanner {
             lazy_block_hashes,
             strip,
             num_scheduled_tokens,
-        )
+        )?;
+        Ok(step_or_none(py, plan))
     }
 
     /// [`schedule`](Self::schedule) for a planner that does not read the scheduled
@@ -450,10 +377,7 @@ impl PyPlanner {
         let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
         let none = std::iter::empty::<ScheduledRequest<'_, PyHashes<'py>>>();
         let plan = self.inner.schedule(none, lazy).map_err(plan_err)?;
-        if plan.is_empty() && plan.held_gpu_blocks.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(step_to_py(py, plan)))
+        Ok(step_or_none(py, plan))
     }
 
     /// `req_id` finished; returns whether vLLM must keep its GPU blocks.
@@ -646,6 +570,112 @@ impl PyPlanner {
 }
 
 impl PyPlanner {
+    /// [`schedule`](Self::schedule)'s plan, before it is converted for Python.
+    #[allow(clippy::too_many_arguments)]
+    fn plan_requests<'py>(
+        &mut self,
+        new_req_ids: &Bound<'py, PyList>,
+        new_num_computed: &Bound<'py, PyList>,
+        new_block_ids: &Bound<'py, PyList>,
+        cached_req_ids: &Bound<'py, PyList>,
+        cached_num_computed: &Bound<'py, PyList>,
+        cached_new_block_ids: &Bound<'py, PyList>,
+        resumed_req_ids: &Bound<'py, PyAny>,
+        hash_lists: &Bound<'py, PyMapping>,
+        lazy_gpu_block_ids: Option<&Bound<'py, PyList>>,
+        lazy_block_hashes: Option<&Bound<'py, PyList>>,
+        strip: usize,
+        num_scheduled_tokens: Option<&Bound<'py, PyMapping>>,
+    ) -> PyResult<StepPlan> {
+        same_len(
+            "new request lists",
+            &[
+                new_req_ids.len(),
+                new_num_computed.len(),
+                new_block_ids.len(),
+            ],
+        )?;
+        same_len(
+            "cached request lists",
+            &[
+                cached_req_ids.len(),
+                cached_num_computed.len(),
+                cached_new_block_ids.len(),
+            ],
+        )?;
+        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
+        // Request ids are borrowed from the Python strings (kept alive in `names`): no
+        // allocation per request per step.
+        let n = new_req_ids.len() + cached_req_ids.len();
+        let mut names: Vec<Bound<'py, PyString>> = Vec::with_capacity(n);
+        // Group 0's table, or (multi-group planners) every group's; the other is empty.
+        type Tables = (Vec<u32>, Vec<Vec<u32>>);
+        let mut rows: Vec<(ScheduleKind, usize, usize, Tables)> = Vec::with_capacity(n);
+        let multi = self.inner.groups() != [GroupKind::FullAttention];
+        let tables = |v: &Bound<'py, PyAny>| -> PyResult<Tables> {
+            if multi {
+                Ok((Vec::new(), all_group_ids(v)?))
+            } else {
+                Ok((group0_ids(v)?, Vec::new()))
+            }
+        };
+        let scheduled_tokens = |name: &Bound<'py, PyString>| -> PyResult<usize> {
+            let Some(map) = num_scheduled_tokens else {
+                return Ok(0);
+            };
+            // vLLM's is a dict: its lookup skips the generic mapping protocol.
+            let n = match map.cast::<PyDict>() {
+                Ok(dict) => dict.get_item(name)?.ok_or_else(|| {
+                    INVALID_INPUT_ERROR.err(format!(
+                        "num_scheduled_tokens has no entry for request {name}"
+                    ))
+                })?,
+                Err(_) => map.get_item(name)?,
+            };
+            count(n.extract()?, "num_scheduled_tokens")
+        };
+        for i in 0..new_req_ids.len() {
+            let name = req_id(new_req_ids.get_item(i)?)?;
+            let nct = count(
+                new_num_computed.get_item(i)?.extract()?,
+                "num_computed_tokens",
+            )?;
+            let ids = tables(&new_block_ids.get_item(i)?)?;
+            rows.push((ScheduleKind::New, nct, scheduled_tokens(&name)?, ids));
+            names.push(name);
+        }
+        let any_resumed = resumed_req_ids.len().unwrap_or(0) > 0;
+        for i in 0..cached_req_ids.len() {
+            let name = req_id(cached_req_ids.get_item(i)?)?;
+            let nct = count(
+                cached_num_computed.get_item(i)?.extract()?,
+                "num_computed_tokens",
+            )?;
+            let ids = tables(&cached_new_block_ids.get_item(i)?)?;
+            let kind = if any_resumed && resumed_req_ids.contains(&name)? {
+                ScheduleKind::Resumed
+            } else {
+                ScheduleKind::Running
+            };
+            rows.push((kind, nct, scheduled_tokens(&name)?, ids));
+            names.push(name);
+        }
+        let mut ids: Vec<&str> = Vec::with_capacity(names.len());
+        for name in &names {
+            ids.push(name.to_str()?);
+        }
+        if multi {
+            let tables = rows.into_iter().map(|(k, c, n, (_, all))| (k, c, n, all));
+            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
+            self.inner.schedule_groups(scheduled, lazy)
+        } else {
+            let tables = rows.into_iter().map(|(k, c, n, (one, _))| (k, c, n, one));
+            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
+            self.inner.schedule(scheduled, lazy)
+        }
+        .map_err(plan_err)
+    }
+
     /// The remote tier's counters by name (scheduler side and its probes); none without one.
     fn remote_counters(&self) -> Vec<(&'static str, u64)> {
         let Some((r, t)) = self.inner.remote_stats() else {

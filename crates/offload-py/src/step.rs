@@ -266,3 +266,13 @@ pub(crate) fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
     });
     (loads, store, plan.held_gpu_blocks, sources, groups)
 }
+
+/// [`step_to_py`], or `None` for a step that moves and holds nothing: most steps, and
+/// vLLM's garbage collector tends to run at the allocation that follows its own scheduler
+/// output, so those steps allocate nothing.
+pub(crate) fn step_or_none(py: Python<'_>, plan: StepPlan) -> Option<StepTuple<'_>> {
+    if plan.is_empty() && plan.held_gpu_blocks.is_empty() {
+        return None;
+    }
+    Some(step_to_py(py, plan))
+}
