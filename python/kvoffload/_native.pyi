@@ -76,6 +76,10 @@ def parse_config(
 _LoadTuple = tuple[int, str, bytes, bytes, bool, bool]
 #: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
 _StoreTuple = tuple[int, bytes, bytes, list[str]]
+#: ``(loads, store, held_gpu_blocks, store_sources, store_groups)``.
+_StepTuple = tuple[
+    list[_LoadTuple], _StoreTuple | None, list[int], list[tuple[int, int] | None], list[int]
+]
 
 @final
 class Planner:
@@ -148,9 +152,7 @@ class Planner:
         lazy_block_hashes: list[bytes] | None = None,
         strip: int = 0,
         num_scheduled_tokens: Mapping[str, int] | None = None,
-    ) -> tuple[
-        list[_LoadTuple], _StoreTuple | None, list[int], list[tuple[int, int] | None], list[int]
-    ]:
+    ) -> _StepTuple:
         """Returns ``(loads, store, held_gpu_blocks, store_sources, store_groups)``: held
         GPU blocks (lazy mode's selected blocks, none with ``stores_after_forward``, where
         a lazy store is copied before the step's forward pass; sliding-window blocks a
@@ -167,16 +169,7 @@ class Planner:
         lazy_block_hashes: list[bytes] | None = None,
         strip: int = 0,
         after_forward: bool = False,
-    ) -> (
-        tuple[
-            list[_LoadTuple],
-            _StoreTuple | None,
-            list[int],
-            list[tuple[int, int] | None],
-            list[int],
-        ]
-        | None
-    ):
+    ) -> _StepTuple | None:
         """``schedule`` for vLLM: the request lists are read from its ``SchedulerOutput``
         (``scheduled_new_reqs``, ``scheduled_cached_reqs``, and ``num_scheduled_tokens``
         with ``after_forward``, for planners whose stores run after the forward pass);
@@ -186,16 +179,7 @@ class Planner:
         lazy_gpu_block_ids: list[int] | None = None,
         lazy_block_hashes: list[bytes] | None = None,
         strip: int = 0,
-    ) -> (
-        tuple[
-            list[_LoadTuple],
-            _StoreTuple | None,
-            list[int],
-            list[tuple[int, int] | None],
-            list[int],
-        ]
-        | None
-    ):
+    ) -> _StepTuple | None:
         """``schedule`` for a planner that does not read the scheduled requests
         (``reads_scheduled_requests`` false): only the lazy candidates; ``None`` when the
         step plans nothing. Refused (``InvalidInputError``) by other planners."""
