@@ -318,7 +318,8 @@ impl PyPlanner {
 
     /// [`schedule`](Self::schedule) for vLLM: the request lists are read from its
     /// `SchedulerOutput` (and its `num_scheduled_tokens` with `after_forward`, for
-    /// planners whose stores run after the forward pass).
+    /// planners whose stores run after the forward pass); `None` when the step moves and
+    /// holds nothing.
     #[pyo3(signature = (
         scheduler_output, hash_lists, lazy_gpu_block_ids = None, lazy_block_hashes = None,
         strip = 0, after_forward = false
