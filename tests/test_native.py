@@ -3,6 +3,7 @@ input, the planner and the transfer engine without vLLM."""
 
 from __future__ import annotations
 
+import random
 import struct
 from types import SimpleNamespace
 from typing import Any
@@ -276,6 +277,81 @@ def test_planner_reads_vllm_scheduler_output() -> None:
         _native.Planner(16, 64, stores_after_forward=True).schedule_output(
             missing, {"b": hashes}, after_forward=True
         )
+
+
+def _decode_trace(after_forward: bool, same_ids: bool, seed: int) -> list[Any]:
+    """Plans of a seeded trace of requests prefilling in chunks and decoding, fed to
+    ``schedule_output`` with vLLM's own id objects every step (``same_ids``) or with
+    fresh copies, which the planner cannot recognise from one step to the next."""
+    rng = random.Random(seed)
+    p = _native.Planner(16, 32, stores_after_forward=after_forward)
+    live: dict[str, dict[str, Any]] = {}
+    next_block = 0
+    plans = []
+    for step in range(400):
+        new = []
+        if len(live) < 8 and rng.random() < 0.3:
+            rid = f"req-{step}"
+            prompt = rng.randrange(20, 120)
+            family = rng.randrange(3)
+            hashes = [bytes([family, 0, i]) * 8 for i in range(2)]
+            hashes += [step.to_bytes(4, "little") + bytes([i]) * 28 for i in range(2, 12)]
+            live[rid] = {
+                "done": 0,
+                "total": prompt + rng.randrange(1, 60),
+                "hashes": hashes,
+                "blocks": [],
+                "prompt": prompt,
+            }
+        cached_ids, cached_nct, cached_new, scheduled = [], [], [], {}
+        for rid, r in live.items():
+            n = min(rng.randrange(1, 40), r["prompt"] - r["done"]) if r["done"] < r["prompt"] else 1
+            added = []
+            while len(r["blocks"]) * 16 < r["done"] + n:
+                r["blocks"].append(next_block)
+                added.append(next_block)
+                next_block += 1
+            name = rid if same_ids else "".join(list(rid))
+            scheduled[name] = n
+            if r["done"] == 0 and len(r["blocks"]) == len(added):
+                new.append(SimpleNamespace(req_id=name, num_computed_tokens=0, block_ids=(added,)))
+            else:
+                cached_ids.append(name)
+                cached_nct.append(r["done"])
+                cached_new.append((added,) if added else None)
+            r["n"] = n
+        cached = SimpleNamespace(
+            req_ids=cached_ids,
+            num_computed_tokens=cached_nct,
+            new_block_ids=cached_new,
+            resumed_req_ids=set(),
+        )
+        hash_lists = {rid: r["hashes"] for rid, r in live.items()}
+        plan = p.schedule_output(
+            _scheduler_output(new, cached, scheduled), hash_lists, after_forward=after_forward
+        )
+        plans.append(plan)
+        if plan is not None and plan[1] is not None:
+            p.complete([plan[1][0]], [True])
+        for rid in list(live):
+            r = live[rid]
+            r["done"] += r["n"]
+            if r["done"] >= r["total"]:
+                p.request_finished(rid, r["hashes"], r["done"])
+                del live[rid]
+    return plans
+
+
+@pytest.mark.parametrize("after_forward", [False, True])
+def test_running_requests_recognised_across_steps_plan_the_same(after_forward: bool) -> None:
+    """Running requests whose id objects the planner saw in the previous step skip the
+    core while they fill no block; the plans are the ones of a planner that cannot
+    recognise them and passes every request to the core."""
+    for seed in range(5):
+        fast = _decode_trace(after_forward, same_ids=True, seed=seed)
+        slow = _decode_trace(after_forward, same_ids=False, seed=seed)
+        assert sum(plan is not None for plan in fast) > 20
+        assert fast == slow
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ mod config;
 mod convert;
 mod errors;
 mod planner;
+mod running;
 mod step;
 mod tier;
 mod transfer;

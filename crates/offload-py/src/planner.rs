@@ -16,6 +16,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyMapping, PyString, PyTuple};
 use crate::config::PyOffloadConfig;
 use crate::convert::{block_id, block_ids, count, PyHashes};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
+use crate::running::RunningWatch;
 use crate::step::{
     all_group_ids, group0_ids, lazy_candidates, req_id, same_len, scheduled_requests, step_lists,
     step_or_none, step_to_py, StepTuple,
@@ -41,6 +42,8 @@ pub(crate) struct PyPlanner {
     reported_remote: Vec<u64>,
     /// `(cpu_blocks_used, cpu_blocks_capacity)` at the previous `take_stats_report`.
     reported_gauges: Option<(usize, usize)>,
+    /// The previous step's running requests, which a step may leave out of the core.
+    running: RunningWatch,
 }
 
 pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
@@ -99,6 +102,7 @@ impl PyPlanner {
             reported: PlannerStats::default(),
             reported_remote: Vec::new(),
             reported_gauges: None,
+            running: RunningWatch::default(),
         })
     }
 
@@ -450,6 +454,7 @@ impl PyPlanner {
     /// Drops every CPU block; transfers in flight finish but are not served.
     fn reset(&mut self) {
         self.inner.reset();
+        self.running.clear();
     }
 
     fn has_work_in_flight(&self) -> bool {
@@ -646,26 +651,49 @@ impl PyPlanner {
             names.push(name);
         }
         let any_resumed = resumed_req_ids.len().unwrap_or(0) > 0;
+        // Eager, one group: running requests that fill no block skip the core.
+        let watch = !multi && self.inner.reads_scheduled_requests();
+        if watch {
+            self.running.begin(n);
+        }
+        // (place in the watch, index in `names`) of requests passed to the core.
+        let mut passed: Vec<(usize, usize)> = Vec::new();
         for i in 0..cached_req_ids.len() {
             let name = req_id(cached_req_ids.get_item(i)?)?;
             let nct = count(
                 cached_num_computed.get_item(i)?.extract()?,
                 "num_computed_tokens",
             )?;
-            let ids = tables(&cached_new_block_ids.get_item(i)?)?;
+            let table = cached_new_block_ids.get_item(i)?;
             let kind = if any_resumed && resumed_req_ids.contains(&name)? {
                 ScheduleKind::Resumed
             } else {
                 ScheduleKind::Running
             };
-            rows.push((kind, nct, scheduled_tokens(&name)?, ids));
+            let scheduled = scheduled_tokens(&name)?;
+            if watch {
+                if kind == ScheduleKind::Running
+                    && table.is_none()
+                    && self.running.skips(&name, nct + scheduled)
+                {
+                    continue;
+                }
+                passed.push((self.running.passed(&name), names.len()));
+            }
+            rows.push((kind, nct, scheduled, tables(&table)?));
             names.push(name);
+        }
+        if watch {
+            // Next step, the requests admitted now run after the ones already running.
+            for (i, name) in names.iter().enumerate().take(new_req_ids.len()) {
+                passed.push((self.running.passed(name), i));
+            }
         }
         let mut ids: Vec<&str> = Vec::with_capacity(names.len());
         for name in &names {
             ids.push(name.to_str()?);
         }
-        if multi {
+        let plan = if multi {
             let tables = rows.into_iter().map(|(k, c, n, (_, all))| (k, c, n, all));
             let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
             self.inner.schedule_groups(scheduled, lazy)
@@ -673,8 +701,17 @@ impl PyPlanner {
             let tables = rows.into_iter().map(|(k, c, n, (one, _))| (k, c, n, one));
             let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
             self.inner.schedule(scheduled, lazy)
+        };
+        if watch {
+            // Recorded even when the step failed: the core kept the other requests.
+            for (place, i) in passed {
+                if let Some(due) = self.inner.store_due(ids[i]) {
+                    self.running.set_due(place, due);
+                }
+            }
+            self.running.end();
         }
-        .map_err(plan_err)
+        plan.map_err(plan_err)
     }
 
     /// The remote tier's counters by name (scheduler side and its probes); none without one.

@@ -349,6 +349,49 @@ impl Planner {
         !self.cfg.lazy || self.groups.is_some()
     }
 
+    /// The tokens running request `req` must have confirmed before [`Self::schedule`] has
+    /// anything to do for it in a step that brings it no new GPU blocks; `None` where
+    /// every scheduled request must be passed every step (lazy or multi-group planners,
+    /// a request the planner does not track).
+    ///
+    /// Confirmed tokens are `num_computed_tokens`, plus `num_scheduled_tokens` with
+    /// [`PlannerConfig::stores_after_forward`]. Below the answer, a step that leaves the
+    /// request out plans exactly what a step passing it plans: most running requests
+    /// of a decode step fill no block, and a server with hundreds of them may skip
+    /// them without a lookup each.
+    ///
+    /// The answer moves only when a step passes the request, except when its hashes are
+    /// found rewritten (a streaming session's next input, which vLLM schedules as a new
+    /// or resumed request: passed anyway). A caller that keeps an answer from before
+    /// such a rewrite only delays storing the rewritten blocks to the request's next
+    /// block boundary, or to its finish, which flushes them.
+    ///
+    /// ```
+    /// use offload_core::{Planner, PlannerConfig, ScheduleKind, ScheduledRequest};
+    ///
+    /// let mut p = Planner::new(PlannerConfig::new(16, 64));
+    /// let none: Vec<offload_core::BlockHash> = Vec::new();
+    /// let new = ScheduledRequest {
+    ///     req_id: "a",
+    ///     kind: ScheduleKind::New,
+    ///     num_computed_tokens: 0,
+    ///     num_scheduled_tokens: 20,
+    ///     gpu_blocks: vec![7, 8],
+    ///     hashes: none,
+    /// };
+    /// p.schedule([new], []).unwrap();
+    /// // Nothing confirmed or stored yet: its first full block is due at 16 tokens.
+    /// assert_eq!(p.store_due("a"), Some(16));
+    /// assert_eq!(p.store_due("unknown"), None);
+    /// ```
+    pub fn store_due(&self, req: &str) -> Option<usize> {
+        if self.cfg.lazy || self.groups.is_some() {
+            return None;
+        }
+        let r = self.requests.get(req)?;
+        Some((r.stored_upto + 1) * self.block_size())
+    }
+
     /// Whether transfers were chosen that the next [`Self::schedule`] hands out.
     pub fn has_pending_plan(&self) -> bool {
         !self.pending_loads.is_empty() || !self.pending_store.is_empty()
