@@ -112,6 +112,14 @@ impl<P: EvictionPolicy> BlockCache<P> {
             .longest_prefix(group, hashes, |b| pool.state(b) == Some(BlockState::Ready))
     }
 
+    /// Hints the CPU to fetch what [`Self::reserve_key`] reads first for `key` (its
+    /// index bucket): a store reserves a run of independent keys, and hinting them all
+    /// first overlaps their cache misses instead of taking them one after the other.
+    #[inline]
+    pub fn prefetch_key(&self, key: &BlockKey) {
+        self.index.prefetch(key);
+    }
+
     /// The block stored under `key` if its store has completed.
     #[inline]
     pub fn get_ready(&self, key: &BlockKey) -> Option<BlockId> {

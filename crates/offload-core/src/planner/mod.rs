@@ -328,8 +328,10 @@ impl Planner {
         if !self.cfg.lazy {
             return Vec::new();
         }
+        // Collecting a vector's iterator reuses its allocation.
+        let candidates: Vec<LazyCandidate> = candidates.into_iter().collect();
         let chosen = select_lazy(
-            candidates,
+            &candidates,
             &mut self.cache,
             &mut self.pending_store,
             &mut self.stats,

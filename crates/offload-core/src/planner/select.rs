@@ -90,6 +90,9 @@ pub(super) fn select_eager(
     // A prefill confirms a whole prompt at once: grow the job's lists once, not by doubling.
     pending.entries.reserve(confirmed - r.stored_upto);
     pending.gpu_blocks.reserve(confirmed - r.stored_upto);
+    for h in &r.hashes[r.stored_upto..confirmed] {
+        cache.prefetch_key(&BlockKey::new(GROUP, *h));
+    }
     for i in r.stored_upto..confirmed {
         let key = BlockKey::new(GROUP, r.hashes[i]);
         match cache.reserve_key(key) {
@@ -127,18 +130,20 @@ pub(super) fn select_eager(
 /// recently used first), and selects those not on CPU or in flight. Returns the
 /// selected GPU block ids.
 pub(super) fn select_lazy(
-    candidates: impl IntoIterator<Item = LazyCandidate>,
+    candidates: &[LazyCandidate],
     cache: &mut BlockCache,
     pending: &mut PendingStore,
     stats: &mut PlannerStats,
 ) -> Vec<u32> {
-    let candidates = candidates.into_iter();
-    let n = candidates.size_hint().0;
+    let n = candidates.len();
     let mut chosen = Vec::with_capacity(n);
     // A burst of freed blocks is a few hundred candidates: grow the job's lists once.
     pending.entries.reserve(n);
     pending.gpu_blocks.reserve(n);
-    for (gpu, key) in candidates {
+    for (_, key) in candidates {
+        cache.prefetch_key(key);
+    }
+    for &(gpu, key) in candidates {
         let block = match cache.reserve_key(key) {
             Reservation::Reserved(block) => block,
             Reservation::Present => {

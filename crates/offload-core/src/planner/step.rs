@@ -170,8 +170,9 @@ impl Planner {
             return Err(e);
         }
         let held = if self.cfg.lazy {
+            let candidates: Vec<LazyCandidate> = lazy_candidates.into_iter().collect();
             let chosen = select_lazy(
-                lazy_candidates,
+                &candidates,
                 &mut self.cache,
                 &mut self.pending_store,
                 &mut self.stats,
