@@ -19,9 +19,11 @@ The worker contract: a step's ``store_before_forward`` is copied first, then its
 start (synchronous ones end before the forward pass) and its ``store`` starts; the
 forward pass writes the scheduled tokens' cells, then reads; ``store_after_forward`` is
 copied after it. Stores of requests vLLM preempted are waited for before the step's
-copies (``handle_preemptions``). Asynchronous copies end after a random 0-2 further
-steps. Where KV lives ("host": vLLM's CPU backend; "gpu": anywhere else) decides the
-planner's step layout, as in the connector.
+copies (``handle_preemptions``). Asynchronous stores end after a random 0-4 further
+steps, asynchronous loads after 0-2. Models: dense, and a sliding-window group beside a
+full-attention one (vLLM's hybrid allocator), whose layers hold different KV for the same
+tokens and read back only as far as their window. Where KV lives ("host": vLLM's CPU
+backend; "gpu": anywhere else) decides the planner's step layout, as in the connector.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from sched_harness import SAMPLED_TOKEN, SchedHarness, block_ids
+from sched_harness import SAMPLED_TOKEN, SchedHarness, block_ids, full_attention, sliding_window
 
 BLOCK = 16
 
@@ -66,6 +68,11 @@ class ContentWorker:
         self.rng = rng
         self.prompts = prompts
         num_gpu = h.kv_cache_config.num_blocks
+        #: Per KV-cache group: the sliding window in tokens, or None (full attention).
+        self.windows = [
+            getattr(g.kv_cache_spec, "sliding_window", None)
+            for g in h.kv_cache_config.kv_cache_groups
+        ]
         num_cpu = h.planner.num_cpu_blocks
         self.gpu: list[list[Any]] = [[None] * BLOCK for _ in range(num_gpu)]
         self.cpu: list[list[Any]] = [[None] * BLOCK for _ in range(num_cpu)]
@@ -76,12 +83,18 @@ class ContentWorker:
         self.in_flight: dict[int, Copy] = {}
         #: Copies ended in the current step: its output reports them.
         self.done: list[int] = []
-        self.tables: dict[str, list[int]] = {}
+        #: Each request's block table per group, as vLLM's model runner keeps it.
+        self.tables: dict[str, list[list[int]]] = {}
         self.ids: dict[str, list[int]] = {}
         self.step = 0
         self.tally = Tally()
 
     # ---- what a cell should hold ----------------------------------------------------------
+
+    def cell(self, group: int, req_id: str, pos: int) -> tuple[int, int]:
+        """What a group's cell for token ``pos`` of ``req_id`` holds: groups are different
+        layers, so their KV differs for the same tokens."""
+        return group, self.prefix_id(req_id, pos)
 
     def prefix_id(self, req_id: str, pos: int) -> int:
         ids = self.ids.setdefault(req_id, [])
@@ -161,7 +174,7 @@ class ContentWorker:
         if meta.store is not None:
             tid, gpu, cpu, reqs = meta.store[:4]
             self.start(
-                tid, "store", block_ids(gpu), block_ids(cpu), reqs=reqs, lag=self.rng.randint(0, 2)
+                tid, "store", block_ids(gpu), block_ids(cpu), reqs=reqs, lag=self.rng.randint(0, 4)
             )
         self.forward(so, computed)
         if meta.store_after_forward is not None:
@@ -195,17 +208,19 @@ class ContentWorker:
         """Updates the block tables as vLLM's model runner does; returns each scheduled
         request's tokens computed before this step."""
         computed: dict[str, int] = {}
+        groups = len(self.windows)
         for r in so.scheduled_new_reqs:
-            self.tables[r.req_id] = list(r.block_ids[0])
+            self.tables[r.req_id] = [list(ids) for ids in r.block_ids]
             computed[r.req_id] = r.num_computed_tokens
         cached = so.scheduled_cached_reqs
         resumed = set(cached.resumed_req_ids or ())
         for i, req_id in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
-            if req_id in resumed:
-                self.tables[req_id] = list(new[0]) if new is not None else []
-            elif new is not None:
-                self.tables.setdefault(req_id, []).extend(new[0])
+            if req_id in resumed or req_id not in self.tables:
+                self.tables[req_id] = [[] for _ in range(groups)]
+            if new is not None:
+                for table, ids in zip(self.tables[req_id], new, strict=True):
+                    table.extend(ids)
             computed[req_id] = cached.num_computed_tokens[i]
         for req_id in so.finished_req_ids:
             self.tables.pop(req_id, None)
@@ -216,25 +231,29 @@ class ContentWorker:
         # read blocks another request of the same step computes (vLLM caches them at
         # allocation).
         for req_id, n in so.num_scheduled_tokens.items():
-            table = self.tables[req_id]
             start = computed[req_id]
-            for pos in range(start, start + n):
-                g = table[pos // BLOCK]
-                what = f"forward writes GPU {g} ({req_id} token {pos})"
-                assert not self.gpu_reads[g], self.where(f"{what} mid-store")
-                assert not self.gpu_writes[g], self.where(f"{what} mid-load")
-                self.gpu[g][pos % BLOCK] = self.prefix_id(req_id, pos)
+            for group, table in enumerate(self.tables[req_id]):
+                for pos in range(start, start + n):
+                    g = table[pos // BLOCK]
+                    what = f"forward writes GPU {g} ({req_id} group {group} token {pos})"
+                    assert not self.gpu_reads[g], self.where(f"{what} mid-store")
+                    assert not self.gpu_writes[g], self.where(f"{what} mid-load")
+                    self.gpu[g][pos % BLOCK] = self.cell(group, req_id, pos)
         for req_id in so.num_scheduled_tokens:
-            table = self.tables[req_id]
-            for pos in range(computed[req_id]):
-                g = table[pos // BLOCK]
-                assert not self.gpu_writes[g], self.where(
-                    f"forward reads GPU {g} ({req_id} token {pos}) mid-load"
-                )
-                assert self.gpu[g][pos % BLOCK] == self.prefix_id(req_id, pos), self.where(
-                    f"{req_id} reads wrong KV at token {pos} (GPU block {g})"
-                )
-            self.tally.cells_read += computed[req_id]
+            start = computed[req_id]
+            for group, table in enumerate(self.tables[req_id]):
+                # A sliding window's first new token attends back `window - 1` tokens;
+                # vLLM frees (nulls) the blocks before that.
+                window = self.windows[group]
+                first = 0 if window is None else max(0, start - window + 1)
+                for pos in range(first, start):
+                    g = table[pos // BLOCK]
+                    where = f"GPU {g} ({req_id} group {group} token {pos})"
+                    assert not self.gpu_writes[g], self.where(f"forward reads {where} mid-load")
+                    assert self.gpu[g][pos % BLOCK] == self.cell(group, req_id, pos), self.where(
+                        f"forward reads wrong KV at {where}"
+                    )
+                self.tally.cells_read += start - first
 
 
 def workload(rng: random.Random, requests: int) -> list[tuple[int, str, list[int], int]]:
@@ -310,11 +329,32 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["eager", "lazy"])
+#: KV-cache groups: a dense model, and a hybrid one (vLLM's hybrid allocator: a
+#: sliding-window group beside a full-attention group, one block pool).
+MODELS = {
+    "dense": lambda: None,
+    "sliding+full": lambda: [
+        (["model.layers.0.self_attn.attn"], sliding_window(2 * BLOCK)),
+        (["model.layers.1.self_attn.attn"], full_attention()),
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("kv_groups", "mode"),
+    [(g, m) for g in sorted(MODELS) for m in ("eager", "lazy")],
+    ids=lambda v: v,
+)
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_read_sees_its_own_kv(
-    model: Path, monkeypatch: pytest.MonkeyPatch, config: tuple[str, str, str], mode: str, seed: int
+    model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    config: tuple[str, str, str],
+    mode: str,
+    kv_groups: str,
+    seed: int,
 ) -> None:
     import kvoffload.connector
 
@@ -330,10 +370,11 @@ def test_every_read_sees_its_own_kv(
         max_num_batched_tokens=64,
         max_num_seqs=4,
         async_scheduling=scheduler == "async",
+        groups=MODELS[kv_groups](),
     )
-    tally = run(h, seed, requests=60, async_scheduling=scheduler == "async")
+    tally = run(h, seed, requests=100, async_scheduling=scheduler == "async")
     # Not vacuous: CPU copies served reads, and the pools were under pressure.
     assert tally.stored, tally
     assert tally.loaded, tally
-    assert tally.finished + tally.aborted == 60, tally
+    assert tally.finished + tally.aborted == 100, tally
     assert tally.cells_read > 10_000, tally
