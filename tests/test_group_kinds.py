@@ -149,6 +149,36 @@ def test_hybrid_groups_through_a_real_scheduler(model: Path) -> None:
     h.assert_idle()
 
 
+def test_a_finished_request_stores_no_block_vllm_freed_at_its_finish(model: Path) -> None:
+    """A whole prompt prefilled in one step with copies that outlive the step (as on a
+    GPU), then finished by the token it sampled: vLLM frees the sliding blocks outside the
+    window of its computed tokens before handing its table to the connector, and may
+    allocate them in the next step. The flush stores only blocks of that table."""
+    h = SchedHarness(
+        model,
+        max_num_batched_tokens=8 * BLOCK_SIZE,
+        groups=[
+            ([LAYER], full_attention()),
+            (["model.layers.1.self_attn.attn"], sliding_window(2 * BLOCK_SIZE)),
+        ],
+    )
+    handed: list[int] = []
+    finished = h.connector.request_finished_all_groups
+
+    def spy(request: Any, block_ids: tuple[list[int], ...]) -> Any:
+        handed.extend(b for group in block_ids for b in group)
+        return finished(request, block_ids)
+
+    h.connector.request_finished_all_groups = spy
+    _, steps = h.serve(h.prompt(5), max_tokens=1)
+    null = h.gpu_pool.null_block.block_id
+    assert null in handed, "vLLM freed sliding blocks at the finish"
+    stored = [b for s in steps for b in s.stored_gpu]
+    assert len(stored) == 5 + 2  # every full block, the sliding blocks of the window
+    assert set(stored) <= set(handed) - {null}, (stored, handed)
+    h.assert_idle()
+
+
 #: Eight 900-token system prompts (7 blocks) cycling through requests admitted two at a
 #: time: the 64-block GPU cache evicts a prompt before it comes back.
 HYBRID_PROMPTS_ARGS = {"n_requests": 16, "n_systems": 8, "system_tokens": 900}

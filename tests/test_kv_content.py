@@ -340,12 +340,22 @@ MODELS = {
 }
 
 
+#: Pool and batch sizes: prompts prefilled in chunks with a CPU pool that holds most of
+#: them, and whole prompts per step (requests often finish in the step after their
+#: prefill) with a CPU pool far smaller than the GPU cache.
+SHAPES = {
+    "chunked": {"num_gpu_blocks": 16, "num_cpu_blocks": 40, "max_num_batched_tokens": 64},
+    "whole-prompts": {"num_gpu_blocks": 20, "num_cpu_blocks": 8, "max_num_batched_tokens": 128},
+}
+
+
 @pytest.mark.parametrize(
     ("kv_groups", "mode"),
     [(g, m) for g in sorted(MODELS) for m in ("eager", "lazy")],
     ids=lambda v: v,
 )
 @pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_read_sees_its_own_kv(
     model: Path,
@@ -354,23 +364,21 @@ def test_every_read_sees_its_own_kv(
     config: tuple[str, str, str],
     mode: str,
     kv_groups: str,
+    shape: str,
     seed: int,
 ) -> None:
     import kvoffload.connector
 
     scheduler, kv_in, load_mode = config
-
     monkeypatch.setattr(kvoffload.connector, "kv_in_host_memory", lambda: kv_in == "host")
     h = SchedHarness(
         model,
-        num_gpu_blocks=16,
-        num_cpu_blocks=40,
         lazy=mode == "lazy",
         load_mode=load_mode,
-        max_num_batched_tokens=64,
         max_num_seqs=4,
         async_scheduling=scheduler == "async",
         groups=MODELS[kv_groups](),
+        **SHAPES[shape],
     )
     tally = run(h, seed, requests=100, async_scheduling=scheduler == "async")
     # Not vacuous: CPU copies served reads, and the pools were under pressure.

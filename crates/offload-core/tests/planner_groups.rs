@@ -106,6 +106,28 @@ fn a_running_request_stores_only_the_sliding_blocks_it_still_holds_and_holds_the
 }
 
 #[test]
+fn a_finished_request_stores_only_the_sliding_blocks_vllm_kept_at_its_finish() {
+    let mut p = hybrid(64, false);
+    let h = hashes(1, 5);
+    let [f, s] = tables(6, 10, 30, 0);
+    p.lookup("a", &h, 5 * BS + 1, 0).unwrap();
+    p.on_alloc_groups("a", &[&f, &s], 0, 0).unwrap();
+    // The whole prompt in one step, then finished by the token it sampled: before it
+    // hands the table over, vLLM frees the sliding blocks before the window of the 81
+    // computed tokens (blocks 0..3), which the next step may allocate to anyone.
+    let plan = step(
+        &mut p,
+        [sched("a", ScheduleKind::New, 0, 5 * BS + 1, &[&f, &s], &h)],
+    );
+    assert!(plan.is_empty());
+    assert!(p.request_finished("a", &h, 5 * BS + 1).unwrap());
+    let plan = step(&mut p, []);
+    let store = plan.store.expect("the finished request's blocks");
+    assert_eq!(store.gpu_blocks, vec![10, 11, 12, 13, 14, 33, 34]);
+    assert_eq!(store.groups, vec![0, 0, 0, 0, 0, 1, 1]);
+}
+
+#[test]
 fn a_hit_loads_every_full_block_and_the_sliding_window_into_the_non_null_blocks() {
     let mut p = hybrid(64, true);
     let h = hashes(1, 5);

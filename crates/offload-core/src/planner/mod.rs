@@ -216,10 +216,14 @@ impl Planner {
             // Its last chunk ran to `num_computed_tokens`: where Mamba groups last wrote
             // a state.
             r.state_tokens = num_computed_tokens;
+            // Before handing the table over, vLLM frees what fell out of the sliding
+            // windows of its computed tokens (at most these; fewer while a step is in
+            // flight): those blocks are free already and not stored.
+            r.alloc_tokens = r.alloc_tokens.max(num_computed_tokens);
             match r.sync(hashes, confirmed, &mut self.cache, &mut self.stats) {
                 Ok(usable) => {
-                    // A multi-group request's last allocation freed what it no longer
-                    // holds; a finished request keeps the rest until this flush.
+                    // A finished request keeps what vLLM did not free until this flush's
+                    // store retires.
                     let queued = sel.select(
                         req,
                         &mut r,
