@@ -341,11 +341,13 @@ MODELS = {
 
 
 #: Pool and batch sizes: prompts prefilled in chunks with a CPU pool that holds most of
-#: them, and whole prompts per step (requests often finish in the step after their
-#: prefill) with a CPU pool far smaller than the GPU cache.
+#: them; whole prompts per step (requests often finish in the step after their prefill)
+#: with a CPU pool far smaller than the GPU cache; one block per step with a CPU pool
+#: half the GPU cache's size.
 SHAPES = {
     "chunked": {"num_gpu_blocks": 16, "num_cpu_blocks": 40, "max_num_batched_tokens": 64},
     "whole-prompts": {"num_gpu_blocks": 20, "num_cpu_blocks": 8, "max_num_batched_tokens": 128},
+    "small-steps": {"num_gpu_blocks": 20, "num_cpu_blocks": 12, "max_num_batched_tokens": 16},
 }
 
 
@@ -375,7 +377,7 @@ def test_every_read_sees_its_own_kv(
         model,
         lazy=mode == "lazy",
         load_mode=load_mode,
-        max_num_seqs=4,
+        max_num_seqs=8,
         async_scheduling=scheduler == "async",
         groups=MODELS[kv_groups](),
         **SHAPES[shape],

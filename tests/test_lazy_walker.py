@@ -53,11 +53,12 @@ def test_block_held_and_released_before_the_next_walk_skips_nothing() -> None:
     first = freed_cached_blocks(pool, hashes, 3)
     assert offer_all(walker) == [b.block_id for b in first]
     # A lazy store holds the last block offered (the cursor), then more blocks are freed
-    # behind it, then the store completes: the block rejoins the queue at the tail.
+    # behind it, then the store completes: the block rejoins the queue where it was,
+    # examined, and every block freed meanwhile is still offered.
     walker.hold([first[-1].block_id])
     later = freed_cached_blocks(pool, hashes, 4)
     walker.release([first[-1].block_id])
-    assert offer_all(walker) == [b.block_id for b in later] + [first[-1].block_id]
+    assert offer_all(walker) == [b.block_id for b in later]
     assert offer_all(walker) == []
 
 
@@ -90,6 +91,23 @@ def test_cursor_reallocated_restarts_from_the_head() -> None:
     pool.free_blocks([taken[1]])
     assert offer_all(walker) == [cached[2].block_id, taken[1].block_id]
     pool.free_blocks([taken[0], *spare])
+
+
+def test_blocks_a_store_held_rejoin_the_queue_examined_before_later_frees() -> None:
+    """Released when their store retired, held blocks are not offered again, and are
+    evicted before blocks freed after they were offered (where they were, not at the
+    tail). Offered again, a block whose CPU copy was evicted meanwhile was stored again,
+    evicting another: with a small CPU pool, an engine without requests never stopped."""
+    pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
+    walker = FreeQueueWalker(pool)
+    first = [b.block_id for b in freed_cached_blocks(pool, hashes, 3)]
+    assert offer_all(walker) == first
+    walker.hold(first[:2])
+    later = [b.block_id for b in freed_cached_blocks(pool, hashes, 2)]
+    walker.release(first[:2])
+    assert cached_free_blocks(pool) == [first[2], first[0], first[1], *later]
+    assert offer_all(walker) == later
+    assert offer_all(walker) == []
 
 
 def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None:
@@ -134,6 +152,8 @@ def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None
                 rng.shuffle(held)
                 n = rng.randint(1, len(held))
                 walker.release(held[:n])
+                # Back in the queue, examined: not offered again during this stay.
+                offered.update(i for i in held[:n] if pool.blocks[i].ref_cnt == 0)
                 del held[:n]
             free = cached_free_blocks(pool)
             offered.intersection_update(free)  # a block that left the queue starts afresh

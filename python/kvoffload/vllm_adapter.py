@@ -403,7 +403,8 @@ class GpuBlockHolder:
 
 class FreeQueueWalker(GpuBlockHolder):
     """Offers each cached block of the GPU free queue once per stay in the queue, least
-    recently used first, resuming each step where the previous walk stopped.
+    recently used first, resuming each step where the previous walk stopped. A block a
+    lazy store held rejoins the queue examined (see ``release``).
 
     The cursor is the last block examined. vLLM's queue gives no way to tell, after the
     fact, that a block left it and came back: a block taken (by a prefix hit, an
@@ -413,7 +414,8 @@ class FreeQueueWalker(GpuBlockHolder):
     happen (``remove``, ``popleft``, ``popleft_n``, the only ways out): when the cursor
     leaves, it steps back to the block before it, which was examined already. Blocks
     that enter the queue join at the tail, after the cursor (``free_blocks`` puts only
-    blocks without a hash at the head, and those are never offered).
+    blocks without a hash at the head, and those are never offered), or, released by the
+    walker, just after the cursor, which passes them.
     """
 
     def __init__(self, gpu_block_pool: Any) -> None:
@@ -422,6 +424,9 @@ class FreeQueueWalker(GpuBlockHolder):
         self.queue = gpu_block_pool.free_block_queue
         self._head = self.queue.fake_free_list_head
         self._tail = self.queue.fake_free_list_tail
+        #: Blocks this walker holds, and those of them held across a ``reset``.
+        self._held: set[int] = set()
+        self._stale: set[int] = set()
         self._follow_removals(self.queue)
 
     def _follow_removals(self, queue: Any) -> None:
@@ -451,7 +456,61 @@ class FreeQueueWalker(GpuBlockHolder):
         queue.popleft_n = pop_first_n
 
     def reset(self) -> None:
+        """Forgets what was examined (the CPU copies are gone): the whole queue is walked
+        again, and blocks held now rejoin it unexamined."""
         self._cursor = None
+        self._stale = set(self._held)
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        super().hold(block_ids)
+        self._held.update(block_ids)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drops the references of a retired lazy store; blocks no one else holds rejoin
+        the free queue where the walk has been (just after the cursor, which then passes
+        them), not at its tail.
+
+        They were examined already, and were in that part of the queue when the store
+        took them: at the tail they would count as newly freed, outlive blocks freed
+        after them, and be walked and offered again. With a CPU pool smaller than the
+        blocks cycling through it, a block offered again after its copy was evicted was
+        stored again, evicting another, without end: an engine with no request kept
+        stepping, storing the same blocks. Blocks held across a ``reset`` rejoin at the
+        tail, to be offered again; blocks without a hash go to the head, as in
+        ``GpuBlockHolder.release``."""
+        self._held.difference_update(block_ids)
+        if self._stale:
+            stale = self._stale.intersection(block_ids)
+            if stale:
+                self._stale -= stale
+                super().release([i for i in block_ids if i in stale])
+                block_ids = [i for i in block_ids if i not in stale]
+        pool = self._pool
+        blocks = pool.blocks
+        queue = pool.free_block_queue
+        prev = queue.fake_free_list_head if self._cursor is None else self._cursor
+        after = prev.next_free_block
+        caching = pool.enable_caching
+        uncached = []
+        inserted = 0
+        for i in block_ids:
+            block = blocks[i]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                if block._block_hash is None or not caching:
+                    uncached.append(block)
+                    continue
+                block.prev_free_block = prev
+                prev.next_free_block = block
+                prev = block
+                inserted += 1
+        if inserted:
+            prev.next_free_block = after
+            after.prev_free_block = prev
+            queue.num_free_blocks += inserted
+            self._cursor = prev
+        if uncached:
+            queue.prepend_n(uncached)
 
     def candidates(self, limit: int) -> tuple[list[int], list[bytes]] | None:
         """Examines up to ``limit`` blocks not examined during their current stay in the
