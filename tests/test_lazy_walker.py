@@ -120,9 +120,10 @@ def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None
         walker = FreeQueueWalker(pool)
         refs: list[KVCacheBlock] = []  # one entry per reference a "request" holds
         held: list[int] = []  # blocks a lazy store holds
+        stale: set[int] = set()  # held across a reset
         offered: set[int] = set()  # offered during their current stay in the queue
         for step in range(200):
-            op = rng.choice(["alloc", "hit", "free", "walk", "release"])
+            op = rng.choice(["alloc", "hit", "free", "walk", "release", "reset"])
             if op == "alloc" and pool.get_num_free_blocks() > 0:
                 blocks = pool.get_new_blocks(rng.randint(1, min(4, pool.get_num_free_blocks())))
                 for b in blocks:
@@ -152,9 +153,17 @@ def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None
                 rng.shuffle(held)
                 n = rng.randint(1, len(held))
                 walker.release(held[:n])
-                # Back in the queue, examined: not offered again during this stay.
-                offered.update(i for i in held[:n] if pool.blocks[i].ref_cnt == 0)
+                # Back in the queue, examined: not offered again during this stay, unless
+                # a reset came in between (their copies are gone).
+                offered.update(
+                    i for i in held[:n] if pool.blocks[i].ref_cnt == 0 and i not in stale
+                )
+                stale.difference_update(held[:n])
                 del held[:n]
+            elif op == "reset":
+                walker.reset()
+                offered.clear()
+                stale = set(held)
             free = cached_free_blocks(pool)
             offered.intersection_update(free)  # a block that left the queue starts afresh
             assert free[: len(offered)] == [b for b in free if b in offered], (
