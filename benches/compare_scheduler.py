@@ -28,7 +28,7 @@ import os
 import random
 import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -126,7 +126,9 @@ def model_dir(arg: str | None) -> Path:
     return build_tiny_llama(Path.home() / ".cache" / "kvoffload" / "tiny_llama")
 
 
-def build_scheduler(trace: Trace, model: Path, connector: str, lazy: bool) -> Any:
+def build_scheduler(
+    trace: Trace, model: Path, connector: str, lazy: bool, async_scheduling: bool = False
+) -> Any:
     import torch
 
     from sched_harness import build_scheduler as real_scheduler
@@ -159,6 +161,7 @@ def build_scheduler(trace: Trace, model: Path, connector: str, lazy: bool) -> An
         max_num_seqs=trace.max_num_seqs,
         max_num_batched_tokens=trace.max_num_batched_tokens,
         max_model_len=max_len,
+        async_scheduling=async_scheduling,
     )
 
 
@@ -248,7 +251,15 @@ def worker_report(connector: str, meta: Any, now: Any) -> tuple[set[str] | None,
 # ---- the replay ----------------------------------------------------------------------------------
 
 
-def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool) -> dict[str, Any]:
+def replay(
+    trace: Trace,
+    model: Path,
+    connector: str,
+    lazy: bool,
+    progress: bool,
+    *,
+    async_scheduling: bool = False,
+) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.utils.gc_utils import freeze_gc_heap
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -256,7 +267,7 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
 
-    sched = build_scheduler(trace, model, connector, lazy)
+    sched = build_scheduler(trace, model, connector, lazy, async_scheduling)
     conn = sched.get_kv_connector()
     timer = ConnectorTimer()
     if conn is not None:
@@ -276,6 +287,9 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
     # and those a forward pass computed (recomputed: including after a preemption).
     prompt_tokens = gpu_hit_tokens = recomputed = 0
     prev_meta = None
+    # Scheduled steps whose output is not processed yet (vLLM's batch queue).
+    batches: deque[tuple[Any, Any]] = deque()
+    depth = 2 if async_scheduling else 1
     step = 0  # simulated time; advances by one per engine step or idle tick
     nxt = 0
     finished = 0
@@ -301,50 +315,60 @@ def replay(trace: Trace, model: Path, connector: str, lazy: bool, progress: bool
         c0 = timer.total_ns
         t0 = clock()
         busy = sched.has_requests()
-        t1 = clock()
-        if not busy:
+        t1 = t2 = clock()
+        if not busy and not batches:
             if nxt >= len(todo):
                 break
             step = todo[nxt][0]  # idle until the next arrival
             continue
-        so = sched.schedule()
-        t2 = clock()
-        reqs = sched.requests
-        admitted = [r.req_id for r in so.scheduled_new_reqs]
-        admitted += list(getattr(so.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
-        for r in admitted:
-            # A resumed request's cached blocks may run past its prompt (its output so
-            # far): only prompt tokens count, once per admission.
-            before = reqs[r].num_computed_tokens - so.num_scheduled_tokens[r]
-            cached = min(before, reqs[r].num_prompt_tokens)
-            gpu_hit_tokens += max(0, cached - timer.admitted_ext.pop(r, 0))
-        for r, n in so.num_scheduled_tokens.items():
-            after = reqs[r].num_computed_tokens
-            recomputed += max(0, min(reqs[r].num_prompt_tokens, after) - (after - n))
-        meta = so.kv_connector_metadata
-        recving, wm, st, ld = worker_report(connector, prev_meta, meta)
-        stored += st
-        loaded += ld
-        kv_out = KVConnectorOutput(finished_recving=recving, kv_connector_worker_meta=wm)
-        req_ids = list(so.num_scheduled_tokens)
-        if req_ids:
-            out = ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=[
-                    [SAMPLED_TOKEN] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else []
-                    for r in req_ids
-                ],
-                kv_connector_output=kv_out,
-            )
-        else:  # no forward: vLLM's worker returns an empty output unless it has a report
-            out = ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+        if busy:
+            so = sched.schedule()
+            t2 = clock()
+            reqs = sched.requests
+            admitted = [r.req_id for r in so.scheduled_new_reqs]
+            admitted += list(getattr(so.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+            for r in admitted:
+                # A resumed request's cached blocks may run past its prompt (its output so
+                # far): only prompt tokens count, once per admission.
+                before = reqs[r].num_computed_tokens - so.num_scheduled_tokens[r]
+                cached = min(before, reqs[r].num_prompt_tokens)
+                gpu_hit_tokens += max(0, cached - timer.admitted_ext.pop(r, 0))
+            for r, n in so.num_scheduled_tokens.items():
+                after = reqs[r].num_computed_tokens
+                recomputed += max(0, min(reqs[r].num_prompt_tokens, after) - (after - n))
+            meta = so.kv_connector_metadata
+            recving, wm, st, ld = worker_report(connector, prev_meta, meta)
+            stored += st
+            loaded += ld
+            kv_out = KVConnectorOutput(finished_recving=recving, kv_connector_worker_meta=wm)
+            req_ids = list(so.num_scheduled_tokens)
+            if req_ids:
+                out = ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=[
+                        [SAMPLED_TOKEN] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else []
+                        for r in req_ids
+                    ],
+                    kv_connector_output=kv_out,
+                )
+            else:  # no forward: vLLM's worker returns an empty output unless it has a report
+                out = ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+            prev_meta = meta
+            batches.appendleft((so, out))
+            # With async scheduling, as vLLM's engine core: the next step is scheduled
+            # before this one's output is processed.
+            if len(batches) < depth and (so.total_num_scheduled_tokens > 0 or sched.has_requests()):
+                step_sched.append((t1 - t0) + (t2 - t1))
+                step_conn.append(timer.total_ns - c0)
+                step += 1
+                continue
+        done_so, done_out = batches.pop()
         t3 = clock()
-        eco = sched.update_from_output(so, out)
+        eco = sched.update_from_output(done_so, done_out)
         t4 = clock()
         for outs in eco.values():
             finished += sum(1 for o in outs.outputs if o.finish_reason is not None)
-        prev_meta = meta
         step_sched.append((t1 - t0) + (t2 - t1) + (t4 - t3))
         step_conn.append(timer.total_ns - c0)
         step += 1
@@ -418,6 +442,12 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--smoke", action="store_true", help="a tiny trace (CI smoke test)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's AsyncScheduler (the default on GPUs): each step is scheduled before "
+        "the previous one's output is processed",
+    )
     args = ap.parse_args()
 
     trace = SMOKE if args.smoke else TRACES[args.trace]
@@ -429,7 +459,7 @@ def main() -> None:
 
     m = machine()
     print(f"machine: {describe(m)}")
-    print(f"trace: {trace}\n")
+    print(f"trace: {trace}" + (", async scheduling" if args.async_scheduling else "") + "\n")
     # Connectors alternate within each repetition so both see the same machine; per
     # configuration the repetition with the lowest mean is kept (the least disturbed by
     # other processes), and every repetition's mean is recorded.
@@ -437,7 +467,14 @@ def main() -> None:
     for rep in range(args.repeat):
         for mode in args.modes.split(","):
             for c in args.connectors.split(","):
-                r = replay(trace, model, c, mode == "lazy", progress=not args.quiet)
+                r = replay(
+                    trace,
+                    model,
+                    c,
+                    mode == "lazy",
+                    progress=not args.quiet,
+                    async_scheduling=args.async_scheduling,
+                )
                 if args.repeat > 1:
                     print(f"[{rep + 1}/{args.repeat}] ", end="")
                 print_result(r)
@@ -466,6 +503,7 @@ def main() -> None:
             "benchmark": "compare_scheduler",
             "machine": m,
             "trace": trace.__dict__,
+            "async_scheduling": args.async_scheduling,
             "stats_every_step": True,
             "results": results,
             "summary": summary,

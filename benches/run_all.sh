@@ -35,6 +35,10 @@ step "scheduler: SimpleCPUOffloadConnector vs kvoffload"
 "$PY" benches/compare_scheduler.py "${smoke[@]}" --quiet --json "$OUT/compare_scheduler.json"
 "$PY" benches/compare_scheduler.py "${smoke[@]}" --trace churn --quiet \
     --json "$OUT/compare_scheduler_churn.json"
+"$PY" benches/compare_scheduler.py "${smoke[@]}" --async-scheduling --repeat 1 --quiet \
+    --json "$OUT/compare_scheduler_async.json"
+"$PY" benches/compare_scheduler.py "${smoke[@]}" --trace churn --async-scheduling --repeat 1 \
+    --quiet --json "$OUT/compare_scheduler_churn_async.json"
 
 step "end to end: real vLLM engine"
 "$PY" benches/e2e.py "${smoke[@]}" --json "$OUT/e2e.json"

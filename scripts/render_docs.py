@@ -306,6 +306,26 @@ def scheduler_table() -> str:
         + churn_line()
         + "\n"
         + sync_line()
+        + "\n"
+        + async_line()
+    )
+
+
+def async_line() -> str:
+    """The same traces under vLLM's ``AsyncScheduler`` (``--async-scheduling``)."""
+    runs = (("shared", "compare_scheduler_async"), ("churn", "compare_scheduler_churn_async"))
+    parts = [
+        f"{trace} {m} " + versus(_results(name), "kvoffload", m)
+        for trace, name in runs
+        for m in ("eager", "lazy")
+    ]
+    return (
+        "Under vLLM's `AsyncScheduler` (`--async-scheduling`, vLLM's default on GPUs: each "
+        "step is scheduled before the previous one's output is processed; one run per "
+        "configuration, raw results `docs/benchmarks/compare_scheduler_async.json` and "
+        "`compare_scheduler_churn_async.json`), kvoffload vs Simple per step: "
+        + "; ".join(parts)
+        + ".\n"
     )
 
 
