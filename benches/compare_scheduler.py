@@ -45,7 +45,6 @@ sys.path.insert(0, str(REPO / "tests"))
 BLOCK_SIZE = 16
 #: The tiny Llama's KV geometry (2 layers, 2 KV heads of 32, float32): 16 KiB per block.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 2, 2, 32
-SAMPLED_TOKEN = 7
 
 #: Configurations: a connector name and, for kvoffload, its load mode. ``none`` is vLLM
 #: without a connector (the baseline for overhead and recomputation).
@@ -264,8 +263,10 @@ def replay(
     from vllm.utils.gc_utils import freeze_gc_heap
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from sched_harness import runner_output
 
     sched = build_scheduler(trace, model, connector, lazy, async_scheduling)
     conn = sched.get_kv_connector()
@@ -341,19 +342,7 @@ def replay(
             stored += st
             loaded += ld
             kv_out = KVConnectorOutput(finished_recving=recving, kv_connector_worker_meta=wm)
-            req_ids = list(so.num_scheduled_tokens)
-            if req_ids:
-                out = ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                    sampled_token_ids=[
-                        [SAMPLED_TOKEN] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else []
-                        for r in req_ids
-                    ],
-                    kv_connector_output=kv_out,
-                )
-            else:  # no forward: vLLM's worker returns an empty output unless it has a report
-                out = ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+            out = runner_output(sched, so, kv_out)
             prev_meta = meta
             batches.appendleft((so, out))
             # With async scheduling, as vLLM's engine core: the next step is scheduled

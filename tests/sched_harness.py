@@ -231,6 +231,29 @@ def after_forward_report(meta: Any) -> tuple[list[int], int]:
     return [store[0]], len(store[1]) // 4
 
 
+def runner_output(scheduler: Any, so: Any, kv_out: Any) -> Any:
+    """The fake model runner's output for step ``so``: one sampled token for each request
+    whose prompt is computed, none for a request vLLM no longer has (with async scheduling
+    a step is scheduled before the previous one's output finishes requests)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(so.num_scheduled_tokens)
+    if not req_ids:  # no forward: vLLM's worker returns its report alone
+        return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+    reqs = scheduler.requests
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[
+            [SAMPLED_TOKEN]
+            if r in reqs and reqs[r].num_computed_tokens >= reqs[r].num_tokens
+            else []
+            for r in req_ids
+        ],
+        kv_connector_output=kv_out,
+    )
+
+
 # ---- the harness ----------------------------------------------------------------------------
 
 
@@ -424,7 +447,7 @@ class SchedHarness:
 
     def step(self) -> Step:
         """One engine step: ``schedule()``, the fake forward and ``update_from_output()``."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 
@@ -458,21 +481,7 @@ class SchedHarness:
             wm = KVOffloadWorkerMetadata(
                 transfer_ids=report, ok=[self.in_flight.pop(t) for t in report]
             )
-        kv_out = KVConnectorOutput(kv_connector_worker_meta=wm)
-        req_ids = list(so.num_scheduled_tokens)
-        if req_ids:
-            reqs = self.scheduler.requests
-            out = ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=[
-                    [SAMPLED_TOKEN] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else []
-                    for r in req_ids
-                ],
-                kv_connector_output=kv_out,
-            )
-        else:
-            out = ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+        out = runner_output(self.scheduler, so, KVConnectorOutput(kv_connector_worker_meta=wm))
         eco = self.scheduler.update_from_output(so, out)
         for outs in eco.values():
             step.finished += [o.request_id for o in outs.outputs if o.finish_reason is not None]

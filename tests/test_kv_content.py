@@ -36,7 +36,14 @@ from typing import Any
 
 import pytest
 
-from sched_harness import SAMPLED_TOKEN, SchedHarness, block_ids, full_attention, sliding_window
+from sched_harness import (
+    SAMPLED_TOKEN,
+    SchedHarness,
+    block_ids,
+    full_attention,
+    runner_output,
+    sliding_window,
+)
 
 BLOCK = 16
 
@@ -147,7 +154,7 @@ class ContentWorker:
     # ---- one step ----------------------------------------------------------------------------
 
     def execute(self, so: Any) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         from kvoffload.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 
@@ -187,22 +194,7 @@ class ContentWorker:
         wm = None
         if self.done:
             wm = KVOffloadWorkerMetadata(transfer_ids=self.done, ok=[True] * len(self.done))
-        kv_out = KVConnectorOutput(kv_connector_worker_meta=wm)
-        req_ids = list(so.num_scheduled_tokens)
-        if not req_ids:
-            return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
-        reqs = self.h.scheduler.requests
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[
-                [SAMPLED_TOKEN]
-                if r in reqs and reqs[r].num_computed_tokens >= reqs[r].num_tokens
-                else []
-                for r in req_ids
-            ],
-            kv_connector_output=kv_out,
-        )
+        return runner_output(self.h.scheduler, so, KVConnectorOutput(kv_connector_worker_meta=wm))
 
     def read_tables(self, so: Any) -> dict[str, int]:
         """Updates the block tables as vLLM's model runner does; returns each scheduled

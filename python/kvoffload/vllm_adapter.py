@@ -372,14 +372,19 @@ class GpuBlockHolder:
     def release(self, block_ids: Sequence[int]) -> None:
         """Drops the references; blocks no one else holds rejoin the free queue in
         order at its tail (cached ones, evicted last) or at its head (others)."""
+        self._rejoin(block_ids, self._pool.free_block_queue.fake_free_list_tail.prev_free_block)
+
+    def _rejoin(self, block_ids: Sequence[int], prev: Any) -> Any:
+        """Drops one reference on each block; those no one else holds rejoin the free
+        queue: cached ones in order after node ``prev``, others at its head. Returns the
+        last block linked after ``prev`` (``prev`` itself if none was)."""
         pool = self._pool
         blocks = pool.blocks
         queue = pool.free_block_queue
-        tail = queue.fake_free_list_tail
-        last = tail.prev_free_block
+        after = prev.next_free_block
         caching = pool.enable_caching
         uncached = []
-        appended = 0
+        linked = 0
         for i in block_ids:
             block = blocks[i]
             block.ref_cnt -= 1
@@ -387,15 +392,16 @@ class GpuBlockHolder:
                 if block._block_hash is None or not caching:
                     uncached.append(block)
                     continue
-                block.prev_free_block = last
-                last.next_free_block = block
-                last = block
-                appended += 1
-        last.next_free_block = tail
-        tail.prev_free_block = last
-        queue.num_free_blocks += appended
+                block.prev_free_block = prev
+                prev.next_free_block = block
+                prev = block
+                linked += 1
+        prev.next_free_block = after
+        after.prev_free_block = prev
+        queue.num_free_blocks += linked
         if uncached:
             queue.prepend_n(uncached)
+        return prev
 
 
 # ---- GPU block pool (lazy mode) -----------------------------------------------------------
@@ -485,32 +491,10 @@ class FreeQueueWalker(GpuBlockHolder):
                 self._stale -= stale
                 super().release([i for i in block_ids if i in stale])
                 block_ids = [i for i in block_ids if i not in stale]
-        pool = self._pool
-        blocks = pool.blocks
-        queue = pool.free_block_queue
-        prev = queue.fake_free_list_head if self._cursor is None else self._cursor
-        after = prev.next_free_block
-        caching = pool.enable_caching
-        uncached = []
-        inserted = 0
-        for i in block_ids:
-            block = blocks[i]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
-                if block._block_hash is None or not caching:
-                    uncached.append(block)
-                    continue
-                block.prev_free_block = prev
-                prev.next_free_block = block
-                prev = block
-                inserted += 1
-        if inserted:
-            prev.next_free_block = after
-            after.prev_free_block = prev
-            queue.num_free_blocks += inserted
-            self._cursor = prev
-        if uncached:
-            queue.prepend_n(uncached)
+        start = self._head if self._cursor is None else self._cursor
+        last = self._rejoin(block_ids, start)
+        if last is not start:
+            self._cursor = last
 
     def candidates(self, limit: int) -> tuple[list[int], list[bytes]] | None:
         """Examines up to ``limit`` blocks not examined during their current stay in the
