@@ -314,17 +314,17 @@ def scheduler_table() -> str:
 def async_line() -> str:
     """The same traces under vLLM's ``AsyncScheduler`` (``--async-scheduling``)."""
     runs = (("shared", "compare_scheduler_async"), ("churn", "compare_scheduler_churn_async"))
-    parts = [
-        f"{trace} {m} " + versus(_results(name), "kvoffload", m)
-        for trace, name in runs
-        for m in ("eager", "lazy")
-    ]
+    reps = {len(r["runs_mean_us"]) for _, name in runs for r in _results(name).values()}
+    if len(reps) != 1:
+        raise RenderError(f"async scheduler runs: configurations ran {reps} times")
+    n = reps.pop()
+    how = "one run per configuration" if n == 1 else f"best of {n} runs per configuration"
     return (
         "Under vLLM's `AsyncScheduler` (`--async-scheduling`, vLLM's default on GPUs: each "
-        "step is scheduled before the previous one's output is processed; one run per "
-        "configuration, raw results `docs/benchmarks/compare_scheduler_async.json` and "
+        f"step is scheduled before the previous one's output is processed; {how}, raw "
+        "results `docs/benchmarks/compare_scheduler_async.json` and "
         "`compare_scheduler_churn_async.json`), kvoffload vs Simple per step: "
-        + "; ".join(parts)
+        + per_trace(runs, "kvoffload")
         + ".\n"
     )
 
@@ -332,17 +332,23 @@ def async_line() -> str:
 def sync_line() -> str:
     """kvoffload with synchronous loads (``kvoffload-sync``), what it runs on vLLM's CPU
     backend: per trace and mode, against Simple in the same runs."""
-    parts = [
-        f"{trace} {m} " + versus(_results(name), "kvoffload-sync", m)
-        for trace, name in (("shared", "compare_scheduler"), ("churn", "compare_scheduler_churn"))
-        for m in ("eager", "lazy")
-    ]
+    runs = (("shared", "compare_scheduler"), ("churn", "compare_scheduler_churn"))
     return (
         "With `load_mode: sync` (the default on vLLM's CPU backend: a hit loads within its "
         "step, and a step's store is copied within it, a lazy one before the forward pass, so "
         "lazy mode holds no GPU block) in the same runs, kvoffload vs Simple per step: "
-        + "; ".join(parts)
+        + per_trace(runs, "kvoffload-sync")
         + ". The schedule differs from Simple's there (requests with a hit run a step earlier).\n"
+    )
+
+
+def per_trace(runs: tuple[tuple[str, str], ...], connector: str) -> str:
+    """``connector`` against Simple (see ``versus``) in each run ``(trace, results name)``
+    and mode."""
+    return "; ".join(
+        f"{trace} {m} " + versus(_results(name), connector, m)
+        for trace, name in runs
+        for m in ("eager", "lazy")
     )
 
 
