@@ -119,6 +119,14 @@ def test_full_attention_kinds_accepted(model: Path, spec: Any) -> None:
     assert h.cpu_hit_tokens(prompt) == 2 * h.block_size
 
 
+def full_and_sliding() -> list[tuple[list[str], Any]]:
+    """A full-attention group and a sliding-window group of 2 blocks."""
+    return [
+        ([LAYER], full_attention()),
+        (["model.layers.1.self_attn.attn"], sliding_window(2 * BLOCK_SIZE)),
+    ]
+
+
 def test_hybrid_groups_through_a_real_scheduler(model: Path) -> None:
     """Full attention + a 2-block sliding window, prefilled 2 blocks a step with copies
     that outlive the step (async, as on a GPU): every sliding block is stored while the
@@ -128,10 +136,7 @@ def test_hybrid_groups_through_a_real_scheduler(model: Path) -> None:
     h = SchedHarness(
         model,
         max_num_batched_tokens=2 * BLOCK_SIZE,
-        groups=[
-            ([LAYER], full_attention()),
-            (["model.layers.1.self_attn.attn"], sliding_window(2 * BLOCK_SIZE)),
-        ],
+        groups=full_and_sliding(),
     )
     null = h.gpu_pool.null_block.block_id
     prompt = h.prompt(8)
@@ -157,10 +162,7 @@ def test_a_finished_request_stores_no_block_vllm_freed_at_its_finish(model: Path
     h = SchedHarness(
         model,
         max_num_batched_tokens=8 * BLOCK_SIZE,
-        groups=[
-            ([LAYER], full_attention()),
-            (["model.layers.1.self_attn.attn"], sliding_window(2 * BLOCK_SIZE)),
-        ],
+        groups=full_and_sliding(),
     )
     handed: list[int] = []
     finished = h.connector.request_finished_all_groups

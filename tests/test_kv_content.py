@@ -305,8 +305,6 @@ def run(h: SchedHarness, seed: int, requests: int, async_scheduling: bool) -> Ta
     else:
         raise AssertionError(f"not done: {len(live)} requests live, {worker.in_flight}")
     assert not live
-    assert not worker.in_flight
-    assert h.planner.num_requests == 0
     h.assert_idle()
     return worker.tally
 
