@@ -124,7 +124,12 @@ def test_a_rank_without_room_for_one_block_disables_offloading(model: Path) -> N
             {(stage, 0): r.connector.get_handshake_metadata() for stage, r in enumerate(ranks)}
         )
         assert h.connector.offload_scheduler is None
-        _, steps = h.serve(h.prompt(2))
+        # Prompts long enough to store full blocks, then one served again after the GPU
+        # cache dropped it: no step moves anything, however the calls were routed.
+        prompts = [h.prompt(n) for n in (2, 3, 4)]
+        steps = [s for p in prompts for s in h.serve(p)[1]]
+        h.evict_gpu_prefix_cache()
+        steps += h.serve(prompts[-1])[1]
         assert all(s.store is None and not s.loads for s in steps)
     finally:
         for r in ranks:

@@ -67,6 +67,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
+        #: The calls bound straight to the scheduler (see `_route_calls`).
+        self._routed: list[str] = []
         #: Every KV-cache group's index: what a load fills (asked for every async load).
         self._group_ids: tuple[int, ...] = (0,)
         try:
@@ -159,9 +161,25 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             groups=kv_group_kinds(kv_cache_config),
             remote_layout=layout,
         )
-        # vLLM calls these every step: bound straight to the scheduler, a call skips this
-        # class's forwarding frame. A subclass that overrides one keeps its override.
-        sched = self._scheduler
+        self._route_calls(self._scheduler)
+        logger.info(
+            "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
+            num_cpu_blocks,
+            per_block,
+            num_cpu_blocks * per_block / 2**30,
+            "lazy" if config.lazy_offload else "eager",
+        )
+
+    def _route_calls(self, sched: OffloadScheduler | None) -> None:
+        """vLLM calls these every step: bound straight to the scheduler, a call skips
+        this class's forwarding frame. A subclass that overrides one keeps its override.
+        With no scheduler (offloading disabled after start-up), the class's own methods
+        answer again."""
+        for name in self._routed:
+            del self.__dict__[name]
+        self._routed = []
+        if sched is None:
+            return
         for name, target in (
             ("get_num_new_matched_tokens", sched.get_num_new_matched_tokens),
             ("update_state_after_alloc", sched.update_state_after_alloc),
@@ -173,13 +191,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         ):
             if getattr(type(self), name) is getattr(KVOffloadConnector, name):
                 setattr(self, name, target)
-        logger.info(
-            "KVOffloadConnector: %d CPU blocks of %d bytes per rank (%.2f GiB), %s mode",
-            num_cpu_blocks,
-            per_block,
-            num_cpu_blocks * per_block / 2**30,
-            "lazy" if config.lazy_offload else "eager",
-        )
+                self._routed.append(name)
 
     @staticmethod
     def _remote_layout(
@@ -244,6 +256,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 "offloading is disabled"
             )
             self._scheduler = None
+            self._route_calls(None)
             return
         if smallest != self._scheduler.num_cpu_blocks:
             logger.info(
