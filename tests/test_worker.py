@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 import torch
 
-from kvoffload import parse_config
+from kvoffload import HostMemoryError, parse_config
 from kvoffload import worker as worker_mod
 from kvoffload.metadata import KVOffloadMetadata
 from kvoffload.worker import OffloadWorker
@@ -21,10 +21,14 @@ def ids(*xs: int) -> bytes:
     return struct.pack(f"<{len(xs)}I", *xs)
 
 
-def make_worker(faults: str | None = None) -> tuple[OffloadWorker, dict[str, torch.Tensor]]:
-    kv = {f"layer{i}": torch.randn(8, 2, 16, 8) for i in range(2)}
+def make_worker(
+    faults: str | None = None, *, cpu_bytes: int | None = None, head_size: int = 8
+) -> tuple[OffloadWorker, dict[str, torch.Tensor]]:
+    """A worker over two float32 layers of 8 GPU blocks (``2 x 16 x head_size`` values
+    each), with a pool of 4 blocks unless ``cpu_bytes`` says otherwise."""
+    kv = {f"layer{i}": torch.randn(8, 2, 16, head_size) for i in range(2)}
     per_block = sum(t[0].numel() * t.element_size() for t in kv.values())
-    extra: dict[str, object] = {"cpu_bytes_to_use": 4 * per_block}
+    extra: dict[str, object] = {"cpu_bytes_to_use": cpu_bytes or 4 * per_block}
     if faults:
         extra["kvoffload.faults"] = faults
     config, _ = parse_config(extra, 1)
@@ -54,6 +58,30 @@ def wait_on_device(w: OffloadWorker, runs: int) -> None:
     while dict(w.engine.stats())["runs_submitted"] < runs:
         assert time.monotonic() < deadline, "the copy never started"
         time.sleep(0.001)
+
+
+def test_a_pool_the_machine_cannot_map_fails_naming_the_budget() -> None:
+    # 128 KiB blocks, as many as block ids allow (2^32 - 2): 512 TiB, past the address
+    # space a process gets, whatever the machine's memory and overcommit policy.
+    budget = 2**62
+    with pytest.raises(HostMemoryError, match="lower cpu_bytes_to_use") as e:
+        make_worker(cpu_bytes=budget, head_size=512)
+    assert f"cpu_bytes_to_use: {budget} bytes per rank" in str(e.value)
+
+
+def test_a_pool_larger_than_the_available_memory_is_warned_about(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    total, available = worker_mod.host_memory() or (0, 0)
+    assert total >= available > 0
+    warnings: list[str] = []
+    monkeypatch.setattr(worker_mod, "host_memory", lambda: (2**30, 1024))
+    monkeypatch.setattr(worker_mod.logger, "warning", lambda msg, *a: warnings.append(msg % a))
+    w, _ = make_worker()
+    w.shutdown()
+    assert len(warnings) == 1
+    assert "larger than the memory available" in warnings[0]
+    assert "lower cpu_bytes_to_use" in warnings[0]
 
 
 def test_store_then_load_round_trips_and_reports_both() -> None:

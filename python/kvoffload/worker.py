@@ -7,7 +7,13 @@ import time
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from kvoffload._native import KVOffloadError, OffloadConfig, TransferEngine, WorkerTier
+from kvoffload._native import (
+    HostMemoryError,
+    KVOffloadError,
+    OffloadConfig,
+    TransferEngine,
+    WorkerTier,
+)
 from kvoffload.cuda_events import CUDA, engine_backend, record_compute_event
 from kvoffload.metadata import (
     KVOffloadHandshake,
@@ -42,6 +48,23 @@ STORE_WITHIN_STEP_TIMEOUT_S = 30.0
 #: the copy thread may still write into the registered KV tensors (and read torch events),
 #: so they are leaked rather than freed under it.
 _LEAKED_ON_SHUTDOWN: list[tuple[Any, ...]] = []
+
+
+def host_memory() -> tuple[int, int] | None:
+    """``(total, available)`` bytes of this machine's memory, from ``/proc/meminfo``;
+    ``None`` where it cannot be read."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    fields[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if len(fields) != 2:
+        return None
+    return fields["MemTotal"], fields["MemAvailable"]
 
 
 def block_list(raw: bytes) -> list[int]:
@@ -133,14 +156,44 @@ class OffloadWorker:
             for value in kv_caches.values()
             for t in (value if isinstance(value, (list, tuple)) else [value])
         ]
-        self._engine = TransferEngine(
-            [(r.base, r.num_blocks, r.block_bytes, r.block_stride) for r in regions],
-            self._num_cpu_blocks,
-            tensors,
-            backend=backend,
-            device=device,
-            faults=self._faults,
-        )
+        pool_bytes = self._num_cpu_blocks * per_block
+        memory = host_memory()
+        try:
+            self._engine = TransferEngine(
+                [(r.base, r.num_blocks, r.block_bytes, r.block_stride) for r in regions],
+                self._num_cpu_blocks,
+                tensors,
+                backend=backend,
+                device=device,
+                faults=self._faults,
+            )
+        except HostMemoryError as e:
+            # In multiprocess mode the caller only sees "Engine core initialization
+            # failed": say which setting asked for too much where the operator looks.
+            have = (
+                ""
+                if memory is None
+                else f"; this machine has {memory[0] / 2**30:.2f} GiB of memory, "
+                f"{memory[1] / 2**30:.2f} GiB available"
+            )
+            msg = (
+                f"KVOffloadConnector worker: cannot allocate this rank's CPU pool of "
+                f"{pool_bytes} bytes ({self._num_cpu_blocks} blocks of {per_block} bytes, "
+                f"from cpu_bytes_to_use: {self._config.cpu_bytes_per_rank} bytes per "
+                f"rank): {e}{have}; lower cpu_bytes_to_use"
+            )
+            logger.error("%s", msg)
+            raise HostMemoryError(msg) from e
+        if memory is not None and pool_bytes > memory[1]:
+            # Mapped, not yet backed: pages are taken as blocks are stored.
+            logger.warning(
+                "KVOffloadConnector worker: this rank's CPU pool (%.2f GiB) is larger than "
+                "the memory available now (%.2f GiB of %.2f GiB); the system may run out of "
+                "memory as the pool fills: lower cpu_bytes_to_use",
+                pool_bytes / 2**30,
+                memory[1] / 2**30,
+                memory[0] / 2**30,
+            )
         logger.info(
             "KVOffloadConnector worker: %d regions, %d CPU blocks, %.2f GiB host memory (%s)",
             len(regions),
