@@ -28,7 +28,8 @@ def make_worker(
     each), with a pool of 4 blocks unless ``cpu_bytes`` says otherwise."""
     kv = {f"layer{i}": torch.randn(8, 2, 16, head_size) for i in range(2)}
     per_block = sum(t[0].numel() * t.element_size() for t in kv.values())
-    extra: dict[str, object] = {"cpu_bytes_to_use": cpu_bytes or 4 * per_block}
+    budget = 4 * per_block if cpu_bytes is None else cpu_bytes
+    extra: dict[str, object] = {"cpu_bytes_to_use": budget}
     if faults:
         extra["kvoffload.faults"] = faults
     config, _ = parse_config(extra, 1)
