@@ -93,6 +93,27 @@ def test_cursor_reallocated_restarts_from_the_head() -> None:
     pool.free_blocks([taken[0], *spare])
 
 
+def test_blocks_joining_one_at_a_time_or_after_a_partial_walk_are_offered() -> None:
+    """A walk that reached the tail reads nothing more until a block joins; every way a
+    block joins (``append_n`` from ``free_blocks``, ``append``) and a walk cut short by its
+    limit still leave the rest to the next walk."""
+    pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
+    walker = FreeQueueWalker(pool)
+    # Only cached blocks in the queue: each walk of 2 offers 2.
+    spare = pool.get_new_blocks(pool.get_num_free_blocks() - 3)
+    first = [b.block_id for b in freed_cached_blocks(pool, hashes, 3)]
+    assert walker.candidates(limit=2)[0] == first[:2]
+    assert walker.candidates(limit=2)[0] == first[2:]
+    assert walker.candidates(limit=2) is None
+    single = spare.pop()
+    hashes.give(single)
+    single.ref_cnt -= 1
+    pool.free_block_queue.append(single)
+    assert offer_all(walker) == [single.block_id]
+    assert walker.candidates(limit=2) is None
+    pool.free_blocks(spare)
+
+
 def test_blocks_a_store_held_rejoin_the_queue_examined_before_later_frees() -> None:
     """Released when their store retired, held blocks are not offered again, and are
     evicted before blocks freed after they were offered (where they were, not at the

@@ -422,6 +422,10 @@ class FreeQueueWalker(GpuBlockHolder):
     that enter the queue join at the tail, after the cursor (``free_blocks`` puts only
     blocks without a hash at the head, and those are never offered), or, released by the
     walker, just after the cursor, which passes them.
+
+    The walker follows the queue's tail too (``append``, ``append_n``): most steps free
+    nothing, and a walk that knows no block joined since it last reached the tail reads
+    no node at all (the queue's nodes are cold by the time the connector runs).
     """
 
     def __init__(self, gpu_block_pool: Any) -> None:
@@ -433,10 +437,14 @@ class FreeQueueWalker(GpuBlockHolder):
         #: Blocks this walker holds, and those of them held across a ``reset``.
         self._held: set[int] = set()
         self._stale: set[int] = set()
-        self._follow_removals(self.queue)
+        #: Whether a block may have joined the queue after the cursor since the last walk
+        #: that reached the tail.
+        self._joined = True
+        self._follow_queue(self.queue)
 
-    def _follow_removals(self, queue: Any) -> None:
+    def _follow_queue(self, queue: Any) -> None:
         remove, popleft, popleft_n = queue.remove, queue.popleft, queue.popleft_n
+        append, append_n = queue.append, queue.append_n
 
         def remove_block(block: Any) -> None:
             if block is self._cursor:
@@ -457,14 +465,27 @@ class FreeQueueWalker(GpuBlockHolder):
                 self._cursor = None
             return blocks
 
+        def append_block(block: Any) -> None:
+            self._joined = True
+            append(block)
+
+        def append_blocks(blocks: list[Any]) -> None:
+            # `free_blocks` appends every time, most often nothing.
+            if blocks:
+                self._joined = True
+            append_n(blocks)
+
         queue.remove = remove_block
         queue.popleft = pop_first
         queue.popleft_n = pop_first_n
+        queue.append = append_block
+        queue.append_n = append_blocks
 
     def reset(self) -> None:
         """Forgets what was examined (the CPU copies are gone): the whole queue is walked
         again, and blocks held now rejoin it unexamined."""
         self._cursor = None
+        self._joined = True
         self._stale = set(self._held)
 
     def hold(self, block_ids: Sequence[int]) -> None:
@@ -489,6 +510,8 @@ class FreeQueueWalker(GpuBlockHolder):
             stale = self._stale.intersection(block_ids)
             if stale:
                 self._stale -= stale
+                # At the tail, unexamined.
+                self._joined = True
                 super().release([i for i in block_ids if i in stale])
                 block_ids = [i for i in block_ids if i not in stale]
         start = self._head if self._cursor is None else self._cursor
@@ -500,11 +523,14 @@ class FreeQueueWalker(GpuBlockHolder):
         """Examines up to ``limit`` blocks not examined during their current stay in the
         queue; returns the ids and hashes (with vLLM's group id) of those with a hash, or
         ``None`` when no block joined the queue since the previous walk."""
+        if not self._joined:
+            # Most calls; no lists are allocated for them (see `metadata.IDLE_STEP`).
+            return None
         cursor = self._cursor
         node = self._head.next_free_block if cursor is None else cursor.next_free_block
         tail = self._tail
         if node is tail:
-            # Most calls; no lists are allocated for them (see `metadata.IDLE_STEP`).
+            self._joined = False
             return None
         ids: list[int] = []
         hashes: list[bytes] = []
@@ -520,6 +546,8 @@ class FreeQueueWalker(GpuBlockHolder):
             cursor = node
             node = node.next_free_block
         self._cursor = cursor
+        if node is tail:
+            self._joined = False
         return ids, hashes
 
 
