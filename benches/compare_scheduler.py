@@ -14,7 +14,8 @@ metadata (Simple: ``SimpleCPUOffloadWorkerMetadata`` + ``finished_recving``; kvo
 Only the connectors' scheduler-side methods are timed for the connector figures (every
 call vLLM makes on the scheduler-role connector, nested calls counted once); the
 scheduler figure is ``schedule()`` + ``update_from_output()`` + ``has_requests()`` per
-step, connector included.
+step, connector included. For the slowest 1% of each configuration's steps the
+connector time is also split by method: which calls the tail is made of.
 
 Run: ``.venv/bin/python benches/compare_scheduler.py [--requests N] [--json out.json]``
 (``--smoke`` for a tiny run).
@@ -173,6 +174,8 @@ class ConnectorTimer:
 
     total_ns: int = 0
     per_method_ns: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: The current step's time per method (see ``take_step``).
+    step_ns: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     hit_tokens: int = 0
     #: External (CPU) tokens accepted for each request since it was last scheduled.
@@ -201,6 +204,7 @@ class ConnectorTimer:
                 self._depth = 0
                 self.total_ns += dt
                 self.per_method_ns[name] += dt
+                self.step_ns[name] += dt
                 self.calls[name] += 1
                 if alloc:
                     n_ext = args[2] if len(args) > 2 else kwargs["num_external_tokens"]
@@ -213,6 +217,27 @@ class ConnectorTimer:
                     )
 
         return timed
+
+    def take_step(self) -> dict[str, int]:
+        """The time per method since the previous call (one engine step)."""
+        step, self.step_ns = self.step_ns, defaultdict(int)
+        return step
+
+
+def slowest_steps(step_conn: list[int], step_methods: list[dict[str, int]]) -> dict[str, Any]:
+    """Which calls the slowest 1% of steps spent their connector time in: those steps'
+    count, mean, and mean per method (µs, largest first)."""
+    n = max(1, len(step_conn) // 100)
+    slow = sorted(range(len(step_conn)), key=step_conn.__getitem__)[-n:]
+    per: dict[str, float] = defaultdict(float)
+    for i in slow:
+        for name, ns in step_methods[i].items():
+            per[name] += ns / 1e3 / n
+    return {
+        "steps": n,
+        "mean_us": sum(step_conn[i] for i in slow) / 1e3 / n,
+        "methods_us": dict(sorted(per.items(), key=lambda kv: -kv[1])),
+    }
 
 
 # ---- emulated workers ----------------------------------------------------------------------
@@ -282,6 +307,7 @@ def replay(
     clock = time.perf_counter_ns
 
     step_conn: list[int] = []
+    step_methods: list[dict[str, int]] = []
     step_sched: list[int] = []
     stored = loaded = 0
     # Prompt tokens: all of them, those each admission found in vLLM's GPU prefix cache,
@@ -350,6 +376,7 @@ def replay(
             if len(batches) < depth and (so.total_num_scheduled_tokens > 0 or sched.has_requests()):
                 step_sched.append((t1 - t0) + (t2 - t1))
                 step_conn.append(timer.total_ns - c0)
+                step_methods.append(timer.take_step())
                 step += 1
                 continue
         done_so, done_out = batches.pop()
@@ -360,6 +387,7 @@ def replay(
             finished += sum(1 for o in outs.outputs if o.finish_reason is not None)
         step_sched.append((t1 - t0) + (t2 - t1) + (t4 - t3))
         step_conn.append(timer.total_ns - c0)
+        step_methods.append(timer.take_step())
         step += 1
         if progress and len(step_sched) % 2000 == 0:
             print(
@@ -381,6 +409,7 @@ def replay(
         "steps": len(step_conn),
         "wall_s": wall,
         "connector_step": summary_ns(step_conn),
+        "slowest_steps": slowest_steps(step_conn, step_methods),
         "scheduler_step": summary_ns(step_sched),
         "share": conn_total / sched_total if sched_total else 0.0,
         "stored_blocks": stored,
@@ -412,6 +441,11 @@ def print_result(r: dict[str, Any]) -> None:
     top = list(r["methods"].items())[:5]
     print(
         "           top: " + ", ".join(f"{k} {v['total_ms']:.0f} ms/{v['calls']}" for k, v in top)
+    )
+    t = r["slowest_steps"]
+    print(
+        f"           slowest {t['steps']} steps: {t['mean_us']:.1f} µs/step, "
+        + ", ".join(f"{k} {v:.1f}" for k, v in list(t["methods_us"].items())[:5])
     )
 
 

@@ -391,7 +391,29 @@ def scheduler_breakdown() -> str:
     rest = sum(v for _, v in per_step if v < 1.0)
     return (
         f"Per step, kvoffload eager, from the run above (total time of each method over "
-        f"{r['steps']:,} steps): {', '.join(big)}; the other methods together {us(rest)}.\n"
+        f"{r['steps']:,} steps): {', '.join(big)}; the other methods together {us(rest)}.\n\n"
+        + slowest_steps_line()
+    )
+
+
+def slowest_steps_line() -> str:
+    """What the slowest 1% of steps (the p99) spend their connector time on, per trace and
+    mode: kvoffload's three largest calls."""
+    parts = []
+    for trace, name in (("shared", "compare_scheduler"), ("churn", "compare_scheduler_churn")):
+        by = _results(name)
+        for m in ("eager", "lazy"):
+            t = by["kvoffload", m]["slowest_steps"]
+            # The JSON keeps keys sorted by name.
+            top = sorted(t["methods_us"].items(), key=lambda kv: -kv[1])[:3]
+            parts.append(
+                f"{trace} {m} {us(t['mean_us'])} ("
+                + ", ".join(f"`{k}` {us(v)}" for k, v in top)
+                + ")"
+            )
+    return (
+        "The slowest 1% of steps (what sets p99), kvoffload, mean connector time and its "
+        "largest calls: " + "; ".join(parts) + ".\n"
     )
 
 
