@@ -278,3 +278,37 @@ def test_lora_requests_get_their_own_blocks(
         got, hits = run(offload_config(lazy_offload=lazy))
         assert got == expected, f"lazy={lazy}"
         assert hits > 0, f"lazy={lazy}"
+
+
+def sample_three(llm: Any) -> list[list[list[int]]]:
+    """Three seeded samples of each prompt (vLLM's parallel sampling: one child request
+    per sample, all with the same prompt)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(tiny_model: Path) -> list[list[list[int]]]:
+    with engine(tiny_model, **ENGINE_ARGS) as llm:
+        samples = sample_three(llm)
+    assert all(len({tuple(s) for s in three}) > 1 for three in samples)
+    return samples
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_parallel_sampling_children_share_the_cpu_prefix(
+    tiny_model: Path, sampled_reference: list[list[list[int]]], lazy: bool
+) -> None:
+    """``n > 1``: the children of one prompt look up, load and store the same blocks in
+    the same steps. Seeded samples are token-identical to vLLM's without kvoffload, before
+    and after the GPU prefix cache is dropped."""
+    with engine(tiny_model, offload_config(lazy_offload=lazy), **ENGINE_ARGS) as llm:
+        assert sample_three(llm) == sampled_reference
+        reset_gpu_prefix_cache(llm)
+        before = cpu_hit_tokens(llm)
+        assert sample_three(llm) == sampled_reference
+        assert cpu_hit_tokens(llm) > before
