@@ -93,7 +93,8 @@ def test_reset_prefix_cache_then_served_from_cpu(
     cfg = offload_config(lazy_offload=lazy, load_mode=load_mode)
     if in_multi:
         # Operators pair an offload connector with another one (disaggregated prefill)
-        # through vLLM's `MultiConnector`, which forwards every call and sums the stats.
+        # through vLLM's `MultiConnector`, which forwards every call and reports each
+        # connector's stats under its class name.
         cfg = {
             "kv_connector": "MultiConnector",
             "kv_role": "kv_both",
