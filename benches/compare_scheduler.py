@@ -12,10 +12,14 @@ metadata (Simple: ``SimpleCPUOffloadWorkerMetadata`` + ``finished_recving``; kvo
 ``KVOffloadWorkerMetadata``). Simple's worker needs CUDA, its scheduler role does not.
 
 Only the connectors' scheduler-side methods are timed for the connector figures (every
-call vLLM makes on the scheduler-role connector, nested calls counted once); the
-scheduler figure is ``schedule()`` + ``update_from_output()`` + ``has_requests()`` per
-step, connector included. For the slowest 1% of each configuration's steps the
-connector time is also split by method: which calls the tail is made of.
+call vLLM makes on the scheduler-role connector, nested calls counted once), plus what a
+connector adds inside vLLM's own calls: kvoffload's lazy walker follows vLLM's free block
+queue by replacing five of its methods, and each step is charged its calls of them at the
+per-call cost those replacements add, measured on a real ``BlockPool`` before the replay
+(see ``QueueHooks``). The scheduler figure is ``schedule()`` + ``update_from_output()`` +
+``has_requests()`` per step, connector included. For the slowest 1% of each
+configuration's steps the connector time is also split by method: which calls the tail
+is made of.
 
 Run: ``.venv/bin/python benches/compare_scheduler.py [--requests N] [--json out.json]``
 (``--smoke`` for a tiny run).
@@ -224,6 +228,100 @@ class ConnectorTimer:
         return step
 
 
+#: The free block queue methods a connector may replace on vLLM's queue instance.
+QUEUE_METHODS = ("remove", "popleft", "popleft_n", "append", "append_n")
+#: How their charged time is named among the connector's methods.
+HOOKS_NAME = "free_queue_hooks"
+
+
+def walker_install(pool: Any) -> None:
+    """kvoffload's lazy walker on ``pool``, its cursor mid-queue (as during a replay, where
+    the hooks' cursor checks then read a node)."""
+    from kvoffload.vllm_adapter import FreeQueueWalker
+
+    FreeQueueWalker(pool).candidates(pool.num_gpu_blocks // 2)
+
+
+class QueueHooks:
+    """What a connector's replacements of vLLM's free-queue methods cost: their calls are
+    counted during the replay, and each call is charged the time it adds over vLLM's own
+    method, measured before the replay on a fresh ``BlockPool`` with the same
+    replacements installed (best of several loops, queue nodes warm: a lower bound).
+
+    The replacements run inside ``schedule()`` and ``update_from_output()``, not inside a
+    connector method, so the method timer alone would not see them. Counting adds a frame
+    to each call there: the scheduler figure carries it, the connector figure does not.
+    """
+
+    def __init__(self, queue: Any, install: Any) -> None:
+        #: Names the connector replaced on this queue instance (none: nothing to charge).
+        self.names = [n for n in QUEUE_METHODS if n in vars(queue)]
+        if self.names and install is None:
+            raise RuntimeError(f"the connector replaced {self.names} with no cost measured")
+        self.calls: dict[str, int] = defaultdict(int)
+        self.step_calls: dict[str, int] = defaultdict(int)
+        self.cost_ns = measure_hook_cost(install, self.names) if self.names else {}
+        for name in self.names:
+            setattr(queue, name, self._count(name, getattr(queue, name)))
+
+    def _count(self, name: str, fn: Any) -> Any:
+        step_calls = self.step_calls
+
+        def counted(*args: Any) -> Any:
+            step_calls[name] += 1
+            return fn(*args)
+
+        return counted
+
+    def take_step(self) -> int:
+        """The ns charged for the calls since the previous call (one engine step)."""
+        if not self.step_calls:
+            return 0
+        ns = 0.0
+        for name, n in self.step_calls.items():
+            self.calls[name] += n
+            ns += n * self.cost_ns[name]
+        self.step_calls.clear()
+        return round(ns)
+
+
+def measure_hook_cost(install: Any, names: list[str], loops: int = 5, n: int = 20_000) -> dict:
+    """ns each replaced queue method adds per call: ``install(pool)`` replaces them on a
+    fresh 1,024-block ``BlockPool``; each is timed against vLLM's own method, in a loop
+    that puts the queue back with vLLM's methods (the same in both loops), on a block in
+    the middle of the queue or 8 at its head."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=1024, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    raw = type(pool.free_block_queue)
+    install(pool)
+    q = pool.free_block_queue
+    block = pool.blocks[768]
+    run = pool.blocks[600:608]
+    bodies = {
+        "remove": lambda f: (f(block), raw.append(q, block)),
+        "append": lambda f: (raw.remove(q, block), f(block)),
+        "popleft": lambda f: raw.prepend_n(q, [f()]),
+        "popleft_n": lambda f: raw.prepend_n(q, f(8)),
+        "append_n": lambda f: ([raw.remove(q, b) for b in run], f(run)),
+    }
+    clock = time.perf_counter_ns
+    cost: dict[str, float] = {}
+    for name in names:
+        body = bodies[name]
+        per_call = []
+        for fn in (getattr(raw, name).__get__(q), getattr(q, name)):
+            best = float("inf")
+            for _ in range(loops):
+                t = clock()
+                for _ in range(n):
+                    body(fn)
+                best = min(best, (clock() - t) / n)
+            per_call.append(best)
+        cost[name] = max(0.0, per_call[1] - per_call[0])
+    return cost
+
+
 def slowest_steps(step_conn: list[int], step_methods: list[dict[str, int]]) -> dict[str, Any]:
     """Which calls the slowest 1% of steps spent their connector time in: those steps'
     count, mean, and mean per method (µs, largest first)."""
@@ -298,6 +396,10 @@ def replay(
     timer = ConnectorTimer()
     if conn is not None:
         timer.install(conn)
+    hooks = QueueHooks(
+        sched.kv_cache_manager.block_pool.free_block_queue,
+        walker_install if connector.startswith("kvoffload") else None,
+    )
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
@@ -313,6 +415,15 @@ def replay(
     # Prompt tokens: all of them, those each admission found in vLLM's GPU prefix cache,
     # and those a forward pass computed (recomputed: including after a preemption).
     prompt_tokens = gpu_hit_tokens = recomputed = 0
+
+    def close_step(conn_ns_before: int) -> None:
+        methods = timer.take_step()
+        charged = hooks.take_step()
+        if charged:
+            methods[HOOKS_NAME] = charged
+        step_conn.append(timer.total_ns - conn_ns_before + charged)
+        step_methods.append(methods)
+
     prev_meta = None
     # Scheduled steps whose output is not processed yet (vLLM's batch queue).
     batches: deque[tuple[Any, Any]] = deque()
@@ -375,8 +486,7 @@ def replay(
             # before this one's output is processed.
             if len(batches) < depth and (so.total_num_scheduled_tokens > 0 or sched.has_requests()):
                 step_sched.append((t1 - t0) + (t2 - t1))
-                step_conn.append(timer.total_ns - c0)
-                step_methods.append(timer.take_step())
+                close_step(c0)
                 step += 1
                 continue
         done_so, done_out = batches.pop()
@@ -386,8 +496,7 @@ def replay(
         for outs in eco.values():
             finished += sum(1 for o in outs.outputs if o.finish_reason is not None)
         step_sched.append((t1 - t0) + (t2 - t1) + (t4 - t3))
-        step_conn.append(timer.total_ns - c0)
-        step_methods.append(timer.take_step())
+        close_step(c0)
         step += 1
         if progress and len(step_sched) % 2000 == 0:
             print(
@@ -401,6 +510,16 @@ def replay(
     gc.unfreeze()
     assert finished == trace.requests, (finished, trace.requests)
     conn_total = sum(step_conn)
+    per_method = {k: (timer.calls[k], v) for k, v in timer.per_method_ns.items()}
+    if hooks.calls:
+        per_method[HOOKS_NAME] = (
+            sum(hooks.calls.values()),
+            sum(n * hooks.cost_ns[k] for k, n in hooks.calls.items()),
+        )
+    methods = {
+        k: {"calls": calls, "total_ms": ns / 1e6}
+        for k, (calls, ns) in sorted(per_method.items(), key=lambda kv: -kv[1][1])
+    }
     sched_total = sum(step_sched)
     moved = stored + loaded
     return {
@@ -419,10 +538,8 @@ def replay(
         "prompt_tokens": prompt_tokens,
         "gpu_hit_tokens": gpu_hit_tokens,
         "recomputed_tokens": recomputed,
-        "methods": {
-            k: {"calls": timer.calls[k], "total_ms": v / 1e6}
-            for k, v in sorted(timer.per_method_ns.items(), key=lambda kv: -kv[1])
-        },
+        "methods": methods,
+        "queue_hooks": {"calls": dict(hooks.calls), "ns_per_call": hooks.cost_ns},
     }
 
 
