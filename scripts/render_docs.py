@@ -123,7 +123,8 @@ def performance() -> str:
                 f"{trace['requests']}-request "
                 f"trace, {trace['systems']} shared {trace['system_tokens']}-token prompts, vLLM's "
                 f"real v1 `Scheduler`, GPU {trace['gpu_blocks']:,} / CPU {trace['cpu_blocks']:,} "
-                f"blocks): kvoffload's scheduler-side methods take "
+                f"blocks): kvoffload's scheduler-side work (its methods, and in lazy mode what it "
+                f"adds to vLLM's free-queue calls) takes "
                 f"{us(ke['connector_step']['mean_us'])} per step (eager) and "
                 f"{us(kl['connector_step']['mean_us'])} (lazy) against "
                 f"`SimpleCPUOffloadConnector`'s {us(se['connector_step']['mean_us'])} and "
@@ -392,7 +393,30 @@ def scheduler_breakdown() -> str:
     return (
         f"Per step, kvoffload eager, from the run above (total time of each method over "
         f"{r['steps']:,} steps): {', '.join(big)}; the other methods together {us(rest)}.\n\n"
+        + hooks_line()
         + slowest_steps_line()
+    )
+
+
+def hooks_line() -> str:
+    """What lazy mode's free-queue hooks add, as charged in each trace's lazy run."""
+    parts = []
+    costs: list[float] = []
+    for trace, name in (("shared", "compare_scheduler"), ("churn", "compare_scheduler_churn")):
+        r = _results(name)["kvoffload", "lazy"]
+        hooks = r["queue_hooks"]
+        calls = sum(hooks["calls"].values())
+        if not calls:
+            raise RenderError(f"{name}.json: kvoffload lazy charged no free-queue hook call")
+        ns = sum(n * hooks["ns_per_call"][k] for k, n in hooks["calls"].items())
+        costs += [hooks["ns_per_call"][k] for k in hooks["calls"]]
+        parts.append(f"{trace} {us(ns / 1e3 / r['steps'])} for {calls / r['steps']:.2g} calls")
+    return (
+        "In lazy mode the walker follows vLLM's free block queue through its own versions of "
+        "the queue's methods, which run inside vLLM's calls; their calls are counted and "
+        f"charged at what each adds to vLLM's method ({sig(min(costs))} to {sig(max(costs))} "
+        "ns a call, measured on a real `BlockPool` before each run), under "
+        f"`free_queue_hooks`: per step, {'; '.join(parts)}.\n\n"
     )
 
 
