@@ -27,6 +27,12 @@ def load_json(name: str) -> dict[str, Any]:
     return json.loads((DOCS / name).read_text())
 
 
+def scheduler_results(name: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """A scheduler comparison's results (``docs/benchmarks/<name>.json``) by
+    ``(connector, mode)``."""
+    return {(r["connector"], r["mode"]): r for r in load_json(f"benchmarks/{name}.json")["results"]}
+
+
 _FIELD = re.compile(r"^(?P<label>[a-z ]*?) ?(?P<value>[0-9.]+) (?P<unit>[A-Za-z/ ]+)$")
 
 
