@@ -255,7 +255,11 @@ class QueueHooks:
 
     def __init__(self, queue: Any, install: Any) -> None:
         #: Names the connector replaced on this queue instance (none: nothing to charge).
-        self.names = [n for n in QUEUE_METHODS if n in vars(queue)]
+        replaced = [n for n, v in vars(queue).items() if callable(v)]
+        unknown = sorted(set(replaced) - set(QUEUE_METHODS))
+        if unknown:
+            raise RuntimeError(f"the connector replaced free-queue methods {unknown} uncharged")
+        self.names = [n for n in QUEUE_METHODS if n in replaced]
         if self.names and install is None:
             raise RuntimeError(f"the connector replaced {self.names} with no cost measured")
         self.calls: dict[str, int] = defaultdict(int)
