@@ -23,6 +23,12 @@ from kvoffload.vllm_adapter import (
 #: (the same watermark as vLLM's SimpleCPUOffloadConnector).
 LAZY_WATERMARK_STEPS = 2
 
+#: While requests run, scheduler-side stats reach vLLM at most this often (seconds):
+#: vLLM asks after every step, and a report built every step costs about as much as a
+#: decode step's whole plan. Nothing is lost (counters held back join the next report),
+#: and its loggers and ``/metrics`` scrapes are seconds apart.
+STATS_INTERVAL_S = 0.1
+
 
 class OffloadScheduler:
     """Owns the planner; one Rust call per vLLM call, never one per block."""
@@ -345,11 +351,12 @@ class OffloadScheduler:
         return self._planner.has_work_in_flight()
 
     def stats(self) -> KVOffloadStats | None:
-        # vLLM asks after every step and never while idle: a report held back for an
-        # interval would keep a burst's last counts from /metrics until the next
-        # request. Counter increases and changed gauges are compared in Rust: None when
-        # nothing moved.
-        report = self._planner.take_stats_report()
+        # vLLM asks after every step and never while idle: once no request is left,
+        # everything held back is reported, or a burst's last counts would miss /metrics
+        # until the next request. (vLLM steps on while `has_pending_push_work`: stores
+        # retiring after the last finish are reported then.) Counter increases and
+        # changed gauges are compared in Rust: None when nothing moved.
+        report = self._planner.take_stats_report(STATS_INTERVAL_S if self._hash_lists else 0.0)
         if report is None:
             return None
         counters, gauges = report
