@@ -80,3 +80,36 @@ def test_stats_held_back_while_requests_run_all_reach_vllm_when_none_is_left(
         for name, n in counters.items():
             total[name] = total.get(name, 0) + n
     assert total == {name: n for name, n in h.planner.stats() if n}
+
+
+def test_stats_of_a_streaming_session_reach_vllm_before_it_waits_for_input(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streaming session waiting for its next input is no unfinished request to vLLM,
+    which goes idle: its counts must not wait for that input."""
+    from vllm.v1.request import RequestStatus
+
+    import kvoffload.scheduler
+
+    monkeypatch.setattr(kvoffload.scheduler, "STATS_INTERVAL_S", 3600.0)
+    h = SchedHarness(model)
+    h.serve(h.prompt(1), max_tokens=2)  # the planner's first report is out
+    before = dict(h.planner.stats())
+    reported: dict[str, int] = {}
+    ask = h.connector.get_kv_connector_stats
+
+    def recorded() -> Any:
+        stats = ask()
+        if stats is not None:
+            for name, n in stats.data["counters"].items():
+                reported[name] = reported.get(name, 0) + n
+        return stats
+
+    h.connector.get_kv_connector_stats = recorded
+    session = h.add(h.prompt(2), max_tokens=4, resumable=True)
+    steps = h.run()
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    assert any(s.store is not None for s in steps)
+    grown = {name: n - before.get(name, 0) for name, n in h.planner.stats()}
+    assert reported == {name: n for name, n in grown.items() if n}
+    assert reported["store_blocks"] == 2

@@ -82,6 +82,9 @@ class OffloadScheduler:
         # truncates and regrows) in place; the planner reads it where it needs a hash
         # and checks it against what it read before.
         self._hash_lists: dict[str, Any] = {}
+        #: Streaming sessions among them: vLLM may go idle while one waits for its next
+        #: input (it is no unfinished request then), so stats are not held back.
+        self._sessions: set[str] = set()
         self._walker: FreeQueueWalker | None = None
         # Holds GPU blocks a multi-group store reads that vLLM frees from running requests.
         self._holder: GpuBlockHolder | None = None
@@ -147,6 +150,8 @@ class OffloadScheduler:
         self._hash_lists[req_id] = hashes
         if self._events is not None:
             self._requests[req_id] = request
+        if getattr(request, "resumable", False):
+            self._sessions.add(req_id)
         if skips_prefix_cache(request):
             # vLLM discards any hit for it (prompt logprobs need every prompt token
             # computed); a lookup would only pin blocks until the allocation drops them.
@@ -320,6 +325,7 @@ class OffloadScheduler:
     def request_finished(self, request: Any) -> bool:
         req_id = request.request_id
         self._hash_lists.pop(req_id, None)
+        self._sessions.discard(req_id)
         if self._events is not None and self._requests.pop(req_id, None) is not None:
             self._finished[req_id] = request
         return self._planner.request_finished(
@@ -351,12 +357,14 @@ class OffloadScheduler:
         return self._planner.has_work_in_flight()
 
     def stats(self) -> KVOffloadStats | None:
-        # vLLM asks after every step and never while idle: once no request is left,
-        # everything held back is reported, or a burst's last counts would miss /metrics
-        # until the next request. (vLLM steps on while `has_pending_push_work`: stores
-        # retiring after the last finish are reported then.) Counter increases and
-        # changed gauges are compared in Rust: None when nothing moved.
-        report = self._planner.take_stats_report(STATS_INTERVAL_S if self._hash_lists else 0.0)
+        # vLLM asks after every step and never while idle: once no request is left (or
+        # while a streaming session may be waiting for input), everything held back is
+        # reported, or a burst's last counts would miss /metrics until the next request.
+        # (vLLM steps on while `has_pending_push_work`: stores retiring after the last
+        # finish are reported then.) Counter increases and changed gauges are compared
+        # in Rust: None when nothing moved.
+        busy = self._hash_lists and not self._sessions
+        report = self._planner.take_stats_report(STATS_INTERVAL_S if busy else 0.0)
         if report is None:
             return None
         counters, gauges = report
