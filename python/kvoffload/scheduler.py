@@ -24,9 +24,10 @@ from kvoffload.vllm_adapter import (
 LAZY_WATERMARK_STEPS = 2
 
 #: While requests run, scheduler-side stats reach vLLM at most this often (seconds):
-#: vLLM asks after every step, and a report built every step costs about as much as a
-#: decode step's whole plan. Nothing is lost (counters held back join the next report),
-#: and its loggers and ``/metrics`` scrapes are seconds apart.
+#: vLLM asks after every step, and a report built every step was among the connector's
+#: largest per-step costs in ``benches/compare_scheduler.py``. Nothing is lost (counters
+#: held back join the next report), and vLLM's loggers and ``/metrics`` scrapes are
+#: seconds apart.
 STATS_INTERVAL_S = 0.1
 
 

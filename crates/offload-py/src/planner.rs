@@ -535,10 +535,10 @@ impl PyPlanner {
                  got {min_interval_s:?}"
             ))
         })?;
-        let now_at = Instant::now();
+        let asked_at = Instant::now();
         if self
             .reported_at
-            .is_some_and(|at| now_at.duration_since(at) < min_interval)
+            .is_some_and(|at| asked_at.duration_since(at) < min_interval)
         {
             return Ok(None);
         }
@@ -591,7 +591,7 @@ impl PyPlanner {
             gauges.set_item(intern!(py, "cpu_blocks_capacity"), capacity)?;
         }
         self.reported_gauges = Some((used, capacity));
-        self.reported_at = Some(now_at);
+        self.reported_at = Some(asked_at);
         Ok(Some((deltas, gauges)))
     }
 }
