@@ -408,7 +408,6 @@ class SchedHarness:
         max_tokens: int = 1,
         req_id: str | None = None,
         lora_request: Any = None,
-        resumable: bool = False,
     ) -> Any:
         from vllm import SamplingParams
         from vllm.v1.request import Request
@@ -420,7 +419,6 @@ class SchedHarness:
             pooling_params=None,
             block_hasher=self.hasher,
             lora_request=lora_request,
-            resumable=resumable,
         )
 
     def add(self, prompt: list[int], **kw: Any) -> Any:

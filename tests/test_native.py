@@ -204,20 +204,6 @@ def test_planner_stats_report_says_each_change_once() -> None:
     assert p.take_stats_report() == ({"store_blocks": 4}, {"cpu_blocks_used": 4})
 
 
-def test_planner_stats_report_within_its_interval_holds_changes_for_the_next() -> None:
-    p = _native.Planner(16, 64)
-    hashes = [bytes([i]) * 32 for i in range(1, 5)]
-    assert p.take_stats_report(3600.0) is not None  # the first report is never held back
-    p.lookup("a", hashes, 65, 0)
-    assert p.take_stats_report(3600.0) is None
-    p.lookup("b", hashes, 65, 0)
-    # Nothing was lost: both lookups arrive together once the caller asks without one.
-    assert p.take_stats_report() == ({"lookups": 2}, {})
-    for bad, shown in ((-1.0, "-1.0"), (float("nan"), "NaN"), (float("inf"), "inf")):
-        with pytest.raises(kvoffload.InvalidInputError, match=f"min_interval_s .* got {shown}$"):
-            p.take_stats_report(bad)
-
-
 def test_schedule_lazy_passes_only_the_candidates_and_says_none_when_idle() -> None:
     """A lazy planner's step without the request lists: ``None`` when nothing is planned,
     the plan ``schedule`` returns otherwise; planners that read the requests refuse it."""

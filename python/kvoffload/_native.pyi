@@ -215,14 +215,10 @@ class Planner:
     def reads_scheduled_requests(self) -> bool:
         """Whether ``schedule`` reads the request lists (a lazy single-group planner
         does not)."""
-    def take_stats_report(
-        self, min_interval_s: float = 0.0
-    ) -> tuple[dict[str, int], dict[str, int]] | None:
-        """What changed since the previous report: ``({counter: increase},
+    def take_stats_report(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        """What changed since the previous call: ``({counter: increase},
         {gauge: value})`` with the counters that grew and the gauges that changed
-        (``cpu_blocks_used``, ``cpu_blocks_capacity``); ``None`` when nothing did, or
-        when the previous report is less than ``min_interval_s`` seconds old (what it
-        holds back joins the next report)."""
+        (``cpu_blocks_used``, ``cpu_blocks_capacity``); ``None`` when nothing did."""
 
 # ---- worker side ----------------------------------------------------------------------
 

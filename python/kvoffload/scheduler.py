@@ -23,13 +23,6 @@ from kvoffload.vllm_adapter import (
 #: (the same watermark as vLLM's SimpleCPUOffloadConnector).
 LAZY_WATERMARK_STEPS = 2
 
-#: While requests run, scheduler-side stats reach vLLM at most this often (seconds):
-#: vLLM asks after every step, and a report built every step was among the connector's
-#: largest per-step costs in ``benches/compare_scheduler.py``. Nothing is lost (counters
-#: held back join the next report), and vLLM's loggers and ``/metrics`` scrapes are
-#: seconds apart.
-STATS_INTERVAL_S = 0.1
-
 
 class OffloadScheduler:
     """Owns the planner; one Rust call per vLLM call, never one per block."""
@@ -83,9 +76,6 @@ class OffloadScheduler:
         # truncates and regrows) in place; the planner reads it where it needs a hash
         # and checks it against what it read before.
         self._hash_lists: dict[str, Any] = {}
-        #: Streaming sessions among them: vLLM may go idle while one waits for its next
-        #: input (it is no unfinished request then), so stats are not held back.
-        self._sessions: set[str] = set()
         self._walker: FreeQueueWalker | None = None
         # Holds GPU blocks a multi-group store reads that vLLM frees from running requests.
         self._holder: GpuBlockHolder | None = None
@@ -151,8 +141,6 @@ class OffloadScheduler:
         self._hash_lists[req_id] = hashes
         if self._events is not None:
             self._requests[req_id] = request
-        if getattr(request, "resumable", False):
-            self._sessions.add(req_id)
         if skips_prefix_cache(request):
             # vLLM discards any hit for it (prompt logprobs need every prompt token
             # computed); a lookup would only pin blocks until the allocation drops them.
@@ -326,7 +314,6 @@ class OffloadScheduler:
     def request_finished(self, request: Any) -> bool:
         req_id = request.request_id
         self._hash_lists.pop(req_id, None)
-        self._sessions.discard(req_id)
         if self._events is not None and self._requests.pop(req_id, None) is not None:
             self._finished[req_id] = request
         return self._planner.request_finished(
@@ -358,14 +345,14 @@ class OffloadScheduler:
         return self._planner.has_work_in_flight()
 
     def stats(self) -> KVOffloadStats | None:
-        # vLLM asks after every step and never while idle: once no request is left (or
-        # while a streaming session may be waiting for input), everything held back is
-        # reported, or a burst's last counts would miss /metrics until the next request.
-        # (vLLM steps on while `has_pending_push_work`: stores retiring after the last
-        # finish are reported then.) Counter increases and changed gauges are compared
-        # in Rust: None when nothing moved.
-        busy = self._hash_lists and not self._sessions
-        report = self._planner.take_stats_report(STATS_INTERVAL_S if busy else 0.0)
+        # vLLM asks after every step and never while idle: a report held back for an
+        # interval would keep a burst's last counts from /metrics until the next
+        # request. (Flushing when no request is left is not enough: vLLM also idles with
+        # a streaming session waiting for input, or paused with its requests kept. And
+        # reporting less often than Simple is not the same work: compare_scheduler
+        # compares both reporting every step.) Counter increases and changed gauges are
+        # compared in Rust: None when nothing moved.
+        report = self._planner.take_stats_report()
         if report is None:
             return None
         counters, gauges = report

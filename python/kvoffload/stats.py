@@ -194,11 +194,9 @@ class KVOffloadStats(KVConnectorStats):
         return not (data[COUNTERS] or data[GAUGES] or data[TIMES])
 
 
-#: Workers' reports. vLLM asks for connector stats after every step and never while idle,
-#: and a worker cannot tell a burst's last step (the scheduler can: see
-#: ``kvoffload.scheduler.STATS_INTERVAL_S``), so a report held back for an interval would
-#: keep the burst's last counts from /metrics until the next request: every call with
-#: something new reports it.
+#: vLLM asks for connector stats after every step and never while idle, so a report held
+#: back for an interval would keep the last counts of a burst from /metrics until the next
+#: request: every call with something new reports it (a few microseconds).
 REPORT_INTERVAL_S = 0.0
 
 

@@ -2,7 +2,6 @@
 //! decision is the core's (`offload_core::Planner`); this file converts.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use offload_core::tier::{ProbeQueue, TierStats};
 use offload_core::{
@@ -43,8 +42,6 @@ pub(crate) struct PyPlanner {
     reported_remote: Vec<u64>,
     /// `(cpu_blocks_used, cpu_blocks_capacity)` at the previous `take_stats_report`.
     reported_gauges: Option<(usize, usize)>,
-    /// When `take_stats_report` last returned a report.
-    reported_at: Option<Instant>,
     /// The previous step's running requests, which a step may leave out of the core.
     running: RunningWatch,
 }
@@ -103,7 +100,6 @@ impl PyPlanner {
         Ok(Self {
             inner: Planner::with_groups(cfg, &kinds),
             reported: PlannerStats::default(),
-            reported_at: None,
             reported_remote: Vec::new(),
             reported_gauges: None,
             running: RunningWatch::default(),
@@ -517,31 +513,15 @@ impl PyPlanner {
         out
     }
 
-    /// What changed since the previous report, as vLLM's stats payload parts: the
-    /// counters that grew (`{name: increase}`) and the gauges whose value changed
+    /// What changed since the previous call, as vLLM's stats payload parts: the counters
+    /// that grew (`{name: increase}`) and the gauges whose value changed
     /// (`cpu_blocks_used`: cached or being written; `cpu_blocks_capacity`); `None` when
-    /// nothing did, or when the previous report is less than `min_interval_s` seconds
-    /// old (what it holds back joins the next report). vLLM asks after every step:
-    /// comparing here keeps that call from building and diffing every counter in Python.
-    #[pyo3(signature = (min_interval_s = 0.0))]
+    /// nothing did. vLLM asks after every step: comparing here keeps that call from
+    /// building and diffing every counter in Python.
     fn take_stats_report<'py>(
         &mut self,
         py: Python<'py>,
-        min_interval_s: f64,
     ) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
-        let min_interval = Duration::try_from_secs_f64(min_interval_s).map_err(|_| {
-            INVALID_INPUT_ERROR.err(format!(
-                "take_stats_report: min_interval_s must be a finite number of seconds >= 0, \
-                 got {min_interval_s:?}"
-            ))
-        })?;
-        let asked_at = Instant::now();
-        if self
-            .reported_at
-            .is_some_and(|at| asked_at.duration_since(at) < min_interval)
-        {
-            return Ok(None);
-        }
         let now = self.inner.stats();
         let cache = self.inner.cache();
         let used = cache.capacity() as usize - cache.pool().num_free();
@@ -591,7 +571,6 @@ impl PyPlanner {
             gauges.set_item(intern!(py, "cpu_blocks_capacity"), capacity)?;
         }
         self.reported_gauges = Some((used, capacity));
-        self.reported_at = Some(asked_at);
         Ok(Some((deltas, gauges)))
     }
 }
