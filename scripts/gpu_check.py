@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import itertools
 import json
 import os
 import platform
@@ -40,73 +39,40 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import gpu_measure as gm
+from gpu_measure import (
+    BLOCK_BYTES,
+    DECODE_JOB_BLOCKS,
+    WAIT_S,
+    DecodeProxy,
+    Layout,
+    Runner,
+    decode_slowdown,
+    gbps,
+    lane_check,
+    matmul_slowdown,
+    median_time,
+    scattered,
+    synchronize,
+)
+
 REPO = Path(__file__).resolve().parent.parent
 
-# Llama-3-8B KV geometry.
-LAYERS = 32
-KV_HEADS = 8
-HEAD_SIZE = 128
-BLOCK_TOKENS = 16
-DTYPE_BYTES = 2  # bf16
-HALF_BLOCK_BYTES = BLOCK_TOKENS * KV_HEADS * HEAD_SIZE * DTYPE_BYTES  # one K or V: 32 KiB
-BLOCK_BYTES = LAYERS * 2 * HALF_BLOCK_BYTES  # one block id, every layer: 2 MiB
-
-#: `--fake-driver` dry run: CPU tensors stand in for device memory, the fake driver
-#: (crates/offload-core/tests/fake_cuda) for libcuda; GPU-only measurements are skipped.
-DRY_RUN = False
 
 FULL_SIZES = (1, 16, 256, 4096)
 QUICK_SIZES = (1, 16, 256)
-WAIT_S = 120.0
+#: (layout, ``cuda_copy``) pairs measured: vLLM's per-layer layout on the copy engines
+#: (the default) and with the copy kernel, and the block-contiguous layout kvoffload asks
+#: vLLM for on the copy engines (the default).
+CONFIGS = (("per-layer", "dma"), ("per-layer", "kernel"), ("cross-layer", "dma"))
 
 
 # ---- pure helpers (tested by --self-test, no torch needed) --------------------------------
-
-
-def gbps(num_bytes: int, seconds: float) -> float:
-    """Decimal GB/s; 0 for a non-positive time.
-
-    >>> gbps(2_000_000_000, 0.5)
-    4.0
-    >>> gbps(10, 0.0)
-    0.0
-    """
-    return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
-
-
-def ids_bytes(ids: Sequence[int]) -> bytes:
-    """Block ids as the little-endian u32 bytes ``TransferEngine.submit`` takes.
-
-    >>> ids_bytes([1, 256])
-    b'\\x01\\x00\\x00\\x00\\x00\\x01\\x00\\x00'
-    """
-    a = array("I", ids)
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a.tobytes()
-
-
-def scattered(count: int, limit: int, rng: random.Random) -> list[int]:
-    """``count`` distinct ids below ``limit``, no two consecutive in sequence (so the
-    engine cannot coalesce them: the scattered worst case).
-
-    >>> ids = scattered(100, 1000, random.Random(1))
-    >>> len(set(ids)) == 100 and all(b != a + 1 for a, b in itertools.pairwise(ids))
-    True
-    """
-    if count * 2 > limit:
-        raise ValueError(f"cannot pick {count} scattered ids below {limit}")
-    while True:
-        ids = rng.sample(range(limit), count)
-        if all(b != a + 1 for a, b in itertools.pairwise(ids)):
-            return ids
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
@@ -137,6 +103,7 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
 
 TABLE_COLUMNS = (
     ("layout", "layout", "s"),
+    ("copy", "copy", "s"),
     ("blocks", "blocks", "d"),
     ("mib", "MiB", ".0f"),
     ("store_gbps", "kvoffload store GB/s", ".1f"),
@@ -153,7 +120,10 @@ TABLE_COLUMNS = (
 def self_test() -> int:
     import doctest
 
-    failures, tests = doctest.testmod(sys.modules[__name__], verbose=False)
+    failures, tests = 0, 0
+    for module in (sys.modules[__name__], gm):
+        result = doctest.testmod(module, verbose=False)
+        failures, tests = failures + result.failed, tests + result.attempted
     print(f"self-test: {tests - failures}/{tests} doctests passed")
     return 1 if failures else 0
 
@@ -203,92 +173,6 @@ def ensure_native(args: argparse.Namespace) -> None:
 # ---- measurements ------------------------------------------------------------------------
 
 
-class Layout:
-    """KV tensors of one layout, their engine regions, and per-block views for torch."""
-
-    def __init__(self, torch: Any, name: str, num_gpu_blocks: int, device: Any) -> None:
-        self.name = name
-        self.num_gpu_blocks = num_gpu_blocks
-        shape_half = (BLOCK_TOKENS, KV_HEADS, HEAD_SIZE)
-        if name == "per-layer":
-            # vLLM's FlashAttention layout: one [2, blocks, 16, 8, 128] tensor per layer.
-            self.tensors = [
-                torch.empty((2, num_gpu_blocks, *shape_half), dtype=torch.bfloat16, device=device)
-                for _ in range(LAYERS)
-            ]
-            self.parts = [t[i] for t in self.tensors for i in range(2)]  # K, V per layer
-        else:
-            # Cross-layer: one tensor, every layer's K and V of a block id contiguous.
-            t = torch.empty(
-                (num_gpu_blocks, LAYERS, 2, *shape_half), dtype=torch.bfloat16, device=device
-            )
-            self.tensors = [t]
-            self.parts = [t]
-        for t in self.tensors:
-            t.view(torch.uint8).random_()
-        self.regions = []
-        for p in self.parts:
-            es = p.element_size()
-            self.regions.append((p.data_ptr(), num_gpu_blocks, p[0].numel() * es, p.stride(0) * es))
-        assert sum(r[2] for r in self.regions) == BLOCK_BYTES
-
-    def gather(self, torch: Any, ids: Sequence[int]) -> list[Any]:
-        index = torch.tensor(list(ids), device=self.parts[0].device)
-        return [p.index_select(0, index) for p in self.parts]
-
-    def equal(self, torch: Any, ids: Sequence[int], expected: list[Any]) -> bool:
-        """Byte equality: random bf16 bit patterns include NaNs, which never compare equal."""
-        return all(
-            torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-            for a, b in zip(self.gather(torch, ids), expected, strict=True)
-        )
-
-
-def synchronize(torch: Any) -> None:
-    if not DRY_RUN:
-        torch.cuda.synchronize()
-
-
-class Runner:
-    """Submits jobs to one engine and times them."""
-
-    def __init__(self, engine: Any, torch: Any, rng: random.Random) -> None:
-        self.engine = engine
-        self.torch = torch
-        self.rng = rng
-        self.next_id = 1
-
-    def transfer(
-        self, store: bool, gpu: Sequence[int], cpu: Sequence[int], wait: bool = True
-    ) -> tuple[float, float]:
-        """Runs one job to completion; returns (wall seconds, submit seconds). A store
-        waits for the current stream's work so far, as the worker's stores do, unless
-        `wait` is false."""
-        tid = self.next_id
-        self.next_id += 1
-        g, c = ids_bytes(gpu), ids_bytes(cpu)
-        event = handle = None
-        start = time.perf_counter()
-        if store and wait and not DRY_RUN:
-            # As the worker does: the copies wait for the compute stream's work so far.
-            event = self.torch.cuda.Event()
-            event.record()
-            handle = int(event.cuda_event)
-        self.engine.submit(tid, store, g, c, handle)
-        submitted = time.perf_counter()
-        done = self.engine.wait_for([tid], WAIT_S)
-        end = time.perf_counter()
-        del event
-        if not done or not done[0][1]:
-            raise RuntimeError(f"transfer {tid} failed: {done}")
-        return end - start, submitted - start
-
-
-def median_time(fn: Callable[[], float], reps: int) -> float:
-    fn()  # warm-up
-    return statistics.median(fn() for _ in range(reps))
-
-
 def round_trip_check(torch: Any, layout: Layout, runner: Runner, count: int, num_cpu: int) -> bool:
     """Stores `count` random blocks, loads them into other block ids, compares bytes, and
     spot-checks host copies against the device."""
@@ -309,11 +193,41 @@ def round_trip_check(torch: Any, layout: Layout, runner: Runner, count: int, num
     return ok
 
 
+def driver_version() -> str | None:
+    """The CUDA driver's version as ``cuDriverGetVersion`` reports it (e.g. ``13.0``)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+
+def make_engine(native: Any, layout: Layout, num_cpu: int, device: Any, **kw: Any) -> Any:
+    """A CUDA engine over the layout's regions, host memory pinned. A dry run's tensors
+    live on the CPU, which the checked constructor refuses, so it passes raw addresses."""
+    if gm.DRY_RUN:
+        engine = native.TransferEngine._unchecked(
+            layout.regions, num_cpu, backend="cuda", device=0, **kw
+        )
+    else:
+        engine = native.TransferEngine(
+            layout.regions, num_cpu, layout.parts, backend="cuda", device=device.index or 0, **kw
+        )
+    engine.wait_ready(WAIT_S)
+    return engine
+
+
 def measure_layout(
     torch: Any,
     native: Any,
     *,
     name: str,
+    copy: str,
     sizes: Sequence[int],
     reps: int,
     device: Any,
@@ -324,12 +238,10 @@ def measure_layout(
     layout = Layout(torch, name, num_gpu, device)
     rng = random.Random(seed)
     t0 = time.perf_counter()
-    engine = native.TransferEngine(
-        layout.regions, max_n, layout.parts, backend="cuda", device=device.index or 0
-    )
-    engine.wait_ready(WAIT_S)
+    engine = make_engine(native, layout, max_n, device, cuda_copy=copy)
     info = {
         "layout": name,
+        "copy": copy,
         "regions": len(layout.regions),
         "region_block_bytes": layout.regions[0][2],
         "backend_detail": engine.backend_detail,
@@ -338,19 +250,21 @@ def measure_layout(
     }
     runner = Runner(engine, torch, rng)
     correct = {
-        "batch": round_trip_check(torch, layout, runner, min(max_n // 2, 64), max_n),
+        copy: round_trip_check(torch, layout, runner, min(max_n // 2, 64), max_n),
     }
-    # The cuMemcpyAsync loop path, on a small engine.
-    loop_engine = native.TransferEngine(
-        layout.regions, 64, layout.parts, backend="cuda", device=device.index or 0, cuda_batch=False
-    )
-    loop_engine.wait_ready(WAIT_S)
-    correct["loop"] = round_trip_check(torch, layout, Runner(loop_engine, torch, rng), 32, 64)
-    loop_engine.shutdown()
+    # The other copy paths, each on a small engine: the cuMemcpyAsync loop and the kernel.
+    for path, options in (
+        ("dma loop", {"cuda_batch": False, "cuda_copy": "dma"}),
+        ("kernel", {"cuda_copy": "kernel"}),
+    ):
+        small = make_engine(native, layout, 64, device, **options)
+        ok = round_trip_check(torch, layout, Runner(small, torch, rng), 32, 64)
+        correct[path] = correct.get(path, True) and ok
+        small.shutdown()
     info["correct"] = correct
 
     rows = []
-    if DRY_RUN:
+    if gm.DRY_RUN:
         rng_ids = random.Random(seed)
         for n in sizes:
             gpu = scattered(n, num_gpu, rng_ids)
@@ -359,6 +273,7 @@ def measure_layout(
             rows.append(
                 {
                     "layout": name,
+                    "copy": copy,
                     "blocks": n,
                     "mib": n * BLOCK_BYTES / 2**20,
                     "store_gbps": gbps(n * BLOCK_BYTES, wall),
@@ -428,6 +343,7 @@ def measure_layout(
         rows.append(
             {
                 "layout": name,
+                "copy": copy,
                 "blocks": n,
                 "mib": nbytes / 2**20,
                 "store_gbps": gbps(nbytes, t_store),
@@ -444,68 +360,6 @@ def measure_layout(
     return rows, info, layout, engine
 
 
-def matmul_slowdown(torch: Any, layout: Layout, engine: Any, n: int, device: Any) -> dict[str, Any]:
-    """Time of a bf16 matmul loop on the compute stream, alone and while the engine
-    stores and loads `n` scattered blocks back to back."""
-    size = 8192
-    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
-    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
-
-    def mm(iters: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
-            torch.mm(a, b)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    mm(3)
-    iters = max(10, int(2.0 / max(mm(10) / 10, 1e-6)))  # about 2 s alone
-    alone = min(mm(iters) for _ in range(2))
-
-    rng = random.Random(7)
-    runner = Runner(engine, torch, rng)
-    gpu = scattered(n, layout.num_gpu_blocks, rng)
-    cpu = rng.sample(range(n), n)
-    stop = threading.Event()
-    moved = [0]
-    errors: list[BaseException] = []
-
-    def copier() -> None:
-        try:
-            while not stop.is_set():
-                # No wait event: the compute stream holds seconds of queued matmuls, and
-                # the point is to copy while they run.
-                runner.transfer(True, gpu, cpu, wait=False)
-                runner.transfer(False, gpu, cpu)
-                moved[0] += 2 * n * BLOCK_BYTES
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    thread = threading.Thread(target=copier, daemon=True)
-    thread.start()
-    time.sleep(0.2)
-    start = time.perf_counter()
-    with_copies = mm(iters)
-    copied = moved[0]
-    elapsed = time.perf_counter() - start
-    stop.set()
-    thread.join(WAIT_S)
-    if errors:
-        raise RuntimeError(f"copies during the matmul loop failed: {errors[0]}")
-    flops = 2 * size**3 * iters
-    return {
-        "matmul_size": size,
-        "iterations": iters,
-        "alone_s": alone,
-        "with_copies_s": with_copies,
-        "slowdown_pct": (with_copies / alone - 1) * 100,
-        "alone_tflops": flops / alone / 1e12,
-        "copy_gbps_during": gbps(copied, elapsed),
-        "blocks_per_job": n,
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="kvoffload GPU check: correctness and bandwidth of the CUDA copy engine"
@@ -518,13 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wheel", help="pip install this wheel instead of building")
     parser.add_argument("--native", help="use this built _native.abi3.so with these sources")
     parser.add_argument("--self-test", action="store_true", help="CPU-only checks, then exit")
-    parser.add_argument("--fake-driver", help=argparse.SUPPRESS)  # dry run, see DRY_RUN
+    parser.add_argument("--fake-driver", help=argparse.SUPPRESS)  # dry run, see gm.DRY_RUN
     args = parser.parse_args(argv)
     if args.self_test:
         return self_test()
     if args.fake_driver:
-        global DRY_RUN  # noqa: PLW0603 - a one-way switch set before anything runs
-        DRY_RUN = True
+        gm.DRY_RUN = True
         os.environ["KVOFFLOAD_LIBCUDA"] = str(Path(args.fake_driver).resolve())
 
     started = time.perf_counter()
@@ -533,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         print("gpu_check: torch is not installed", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available() and not DRY_RUN:
+    if not torch.cuda.is_available() and not gm.DRY_RUN:
         print("gpu_check: torch sees no CUDA device", file=sys.stderr)
         return 2
     ensure_native(args)
@@ -546,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpu_check: the installed kvoffload has no CUDA backend; rebuild", file=sys.stderr)
         return 2
 
-    if DRY_RUN:
+    if gm.DRY_RUN:
         device = torch.device("cpu")
         props = argparse.Namespace(name="fake CUDA driver (dry run)", total_memory=0)
     else:
@@ -559,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": props.name,
         "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-        "driver_version": getattr(torch._C, "_cuda_getDriverVersion", lambda: None)(),
+        "driver_version": None if gm.DRY_RUN else driver_version(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "python": platform.python_version(),
@@ -576,51 +429,95 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
 
-    rows: list[dict[str, Any]] = []
-    layouts: list[dict[str, Any]] = []
-    matmul: dict[str, Any] = {}
-    ok = True
+    result: dict[str, Any] = {
+        "ok": True,
+        "meta": meta,
+        "layouts": [],
+        "rows": [],
+        "lanes": [],
+        "decode": [],
+        "matmul": [],
+    }
+
+    def save() -> None:
+        # After every stage, so that a run cut short still leaves what it measured.
+        meta["seconds"] = time.perf_counter() - started
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
     try:
-        for i, name in enumerate(("per-layer", "cross-layer")):
+        proxy = None if gm.DRY_RUN else DecodeProxy(torch, device)
+        for i, (name, copy) in enumerate(CONFIGS):
             layout_rows, info, layout, engine = measure_layout(
-                torch, native, name=name, sizes=sizes, reps=reps, device=device, seed=args.seed + i
+                torch,
+                native,
+                name=name,
+                copy=copy,
+                sizes=sizes,
+                reps=reps,
+                device=device,
+                seed=args.seed + i,
             )
-            rows += layout_rows
-            layouts.append(info)
-            ok = ok and all(info["correct"].values())
-            print(f"  {name}: {info['backend_detail']}; correct: {info['correct']}", flush=True)
-            if name == "cross-layer" and not DRY_RUN:
-                matmul = matmul_slowdown(torch, layout, engine, max(sizes), device)
+            result["rows"] += layout_rows
+            result["layouts"].append(info)
+            result["ok"] = result["ok"] and all(info["correct"].values())
+            label = f"{name} ({copy})"
+            print(f"  {label}: {info['backend_detail']}; correct: {info['correct']}", flush=True)
+            save()
+            tag = {"layout": name, "copy": copy}
+            lanes = lane_check(torch, layout, engine) | tag
+            result["lanes"].append(lanes)
+            print(f"  {label} lanes: {lanes}", flush=True)
+            if proxy is not None:
+                decode = decode_slowdown(torch, proxy, layout, engine, DECODE_JOB_BLOCKS) | tag
+                result["decode"].append(decode)
+                print(f"  {label} decode: {decode}", flush=True)
+                matmul = matmul_slowdown(torch, layout, engine, max(sizes), device) | tag
+                result["matmul"].append(matmul)
+            save()
             engine.shutdown()
             del layout, engine
-            if not DRY_RUN:
+            if not gm.DRY_RUN:
                 torch.cuda.empty_cache()
                 # Pinned buffers of this layout go back to the OS, not torch's host cache.
                 getattr(torch._C, "_host_emptyCache", lambda: None)()
     except Exception as e:  # the JSON still records what ran
-        ok = False
+        result["ok"] = False
         meta["error"] = f"{type(e).__name__}: {e}"
         print(f"gpu_check: {meta['error']}", file=sys.stderr)
+    save()
+    print_summary(result, args.out)
+    return 0 if result["ok"] else 1
 
-    meta["seconds"] = time.perf_counter() - started
-    result = {"ok": ok, "meta": meta, "layouts": layouts, "rows": rows, "matmul": matmul}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
+def print_summary(result: dict[str, Any], out: str) -> None:
+    meta = result["meta"]
     print()
     print(f"kvoffload GPU check, {meta['date']}, {meta['gpu']}, torch {meta['torch']}")
     print()
-    print(format_table(rows, TABLE_COLUMNS))
-    if matmul:
-        print()
+    print(format_table(result["rows"], TABLE_COLUMNS))
+    for lanes in result["lanes"]:
         print(
-            f"matmul {matmul['matmul_size']}^3 bf16 x{matmul['iterations']} on the compute "
-            f"stream: {matmul['alone_s']:.3f} s alone, {matmul['with_copies_s']:.3f} s while "
-            f"kvoffload copies {matmul['blocks_per_job']}-block jobs at "
-            f"{matmul['copy_gbps_during']:.1f} GB/s: {matmul['slowdown_pct']:+.1f}%"
+            f"{lanes['layout']} ({lanes['copy']}) lanes: a {lanes['load_blocks']}-block load "
+            f"took {lanes['load_alone_ms']:.2f} ms alone, {lanes['load_behind_stores_ms']:.2f} "
+            f"ms behind {lanes['stores']} stores of {lanes['store_blocks']} blocks (done after "
+            f"{lanes['stores_done_ms']:.1f} ms; {lanes['stores_pending_at_load']} still "
+            f"pending when it completed): {'ok' if lanes['ok'] else 'NOT ok'}"
+        )
+    for d in result["decode"]:
+        print(
+            f"{d['layout']} ({d['copy']}) decode proxy: {d['step_ms']:.3f} ms/step alone "
+            f"({d['weight_gbps']:.0f} GB/s of weights), {d['slowdown_pct']:+.1f}% while "
+            f"kvoffload copies {d['blocks_per_job']}-block jobs at {d['copy_gbps_during']:.1f} GB/s"
+        )
+    for m in result["matmul"]:
+        print(
+            f"{m['layout']} ({m['copy']}) matmul {m['matmul_size']}^3 bf16 x{m['iterations']}: "
+            f"{m['alone_s']:.3f} s alone, {m['with_copies_s']:.3f} s while kvoffload copies "
+            f"{m['blocks_per_job']}-block jobs at {m['copy_gbps_during']:.1f} GB/s: "
+            f"{m['slowdown_pct']:+.1f}%"
         )
     print()
-    print(f"correct: {ok}; {meta['seconds']:.0f} s; results in {args.out}")
-    return 0 if ok else 1
+    print(f"correct: {result['ok']}; {meta['seconds']:.0f} s; results in {out}")
 
 
 if __name__ == "__main__":

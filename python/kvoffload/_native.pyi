@@ -53,6 +53,8 @@ class OffloadConfig:
     @property
     def faults(self) -> str | None: ...
     @property
+    def cuda_copy(self) -> Literal["auto", "dma", "kernel"]: ...
+    @property
     def kv_cache_layout(self) -> str:
         """``"auto"``, ``"engine"`` or a vLLM layout name (upper case)."""
     @property
@@ -236,6 +238,7 @@ class TransferEngine:
         backend: Literal["host", "cuda"] = "host",
         device: int = 0,
         cuda_batch: bool = True,
+        cuda_copy: Literal["auto", "dma", "kernel"] = "auto",
         faults: str | None = None,
     ) -> TransferEngine: ...
     @staticmethod
@@ -246,6 +249,7 @@ class TransferEngine:
         backend: Literal["host", "cuda"] = "host",
         device: int = 0,
         cuda_batch: bool = True,
+        cuda_copy: Literal["auto", "dma", "kernel"] = "auto",
         faults: str | None = None,
     ) -> TransferEngine:
         """UNCHECKED raw addresses: a wrong one is memory corruption (tests, tools)."""

@@ -3,7 +3,7 @@
 use super::super::cuda_sys as sys;
 use super::super::{CopyRun, Direction};
 use super::backend::{CudaCopyBackend, Handle};
-use super::{BatchApi, CudaError};
+use super::{BatchApi, CudaError, MAX_BATCH_COPIES};
 
 /// One copy as handed to the driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,8 +14,8 @@ pub(super) struct Descriptor {
 }
 
 impl CudaCopyBackend {
-    /// Enqueues the copies in `self.descriptors` on `stream`: one batch call, or one
-    /// `cuMemcpyAsync` each. On failure, copies before the failing one may be enqueued.
+    /// Enqueues the copies in `self.descriptors` on `stream`: batch calls of at most
+    /// [`MAX_BATCH_COPIES`], or one `cuMemcpyAsync` each. On failure, copies before the failing one may be enqueued.
     ///
     /// # Safety
     ///
@@ -65,51 +65,68 @@ impl CudaCopyBackend {
                     flags: sys::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
                 }];
                 let mut attr_idx = [0usize];
-                let mut fail_idx = usize::MAX;
-                let rc = match (self.batch, api.memcpy_batch_v1, api.memcpy_batch_v2) {
-                    // SAFETY: the three arrays hold `count` entries and `attrs`/`attr_idx`
-                    // one each, all alive for the call (the driver copies them before
-                    // returning); the caller vouches for the addresses.
-                    (BatchApi::Cuda12_8, Some(f), _) => unsafe {
-                        f(
-                            self.dsts.as_mut_ptr(),
-                            self.srcs.as_mut_ptr(),
-                            self.sizes.as_mut_ptr(),
-                            count,
-                            attrs.as_mut_ptr(),
-                            attr_idx.as_mut_ptr(),
-                            1,
-                            &mut fail_idx,
-                            stream.ptr(),
+                for start in (0..count).step_by(MAX_BATCH_COPIES) {
+                    let n = MAX_BATCH_COPIES.min(count - start);
+                    let mut fail_idx = usize::MAX;
+                    // SAFETY: `start + n <= count`, the length of all three arrays.
+                    let (dsts, srcs, sizes) = unsafe {
+                        (
+                            self.dsts.as_mut_ptr().add(start),
+                            self.srcs.as_mut_ptr().add(start),
+                            self.sizes.as_mut_ptr().add(start),
                         )
-                    },
-                    // SAFETY: as above.
-                    (BatchApi::Cuda13, _, Some(f)) => unsafe {
-                        f(
-                            self.dsts.as_mut_ptr(),
-                            self.srcs.as_mut_ptr(),
-                            self.sizes.as_mut_ptr(),
-                            count,
-                            attrs.as_mut_ptr(),
-                            attr_idx.as_mut_ptr(),
-                            1,
-                            stream.ptr(),
-                        )
-                    },
-                    // `choose_batch_api` only picks a variant whose symbol resolved.
-                    _ => sys::CUDA_ERROR_NOT_FOUND,
-                };
-                if rc == sys::CUDA_SUCCESS {
-                    return Ok(());
+                    };
+                    let rc = match (self.batch, api.memcpy_batch_v1, api.memcpy_batch_v2) {
+                        // SAFETY: the three pointers address `n` entries each and
+                        // `attrs`/`attr_idx` one each, all alive for the call (the driver
+                        // copies them before returning); the caller vouches for the
+                        // addresses.
+                        (BatchApi::Cuda12_8, Some(f), _) => unsafe {
+                            f(
+                                dsts,
+                                srcs,
+                                sizes,
+                                n,
+                                attrs.as_mut_ptr(),
+                                attr_idx.as_mut_ptr(),
+                                1,
+                                &mut fail_idx,
+                                stream.ptr(),
+                            )
+                        },
+                        // SAFETY: as above.
+                        (BatchApi::Cuda13, _, Some(f)) => unsafe {
+                            f(
+                                dsts,
+                                srcs,
+                                sizes,
+                                n,
+                                attrs.as_mut_ptr(),
+                                attr_idx.as_mut_ptr(),
+                                1,
+                                stream.ptr(),
+                            )
+                        },
+                        // `choose_batch_api` only picks a variant whose symbol resolved.
+                        _ => sys::CUDA_ERROR_NOT_FOUND,
+                    };
+                    if rc != sys::CUDA_SUCCESS {
+                        let at = if fail_idx < n {
+                            format!(", failed at copy {}", start + fail_idx)
+                        } else {
+                            String::new()
+                        };
+                        return Err(self.driver.error(
+                            format!(
+                                "{} (copies {start}..{} of {count}{at})",
+                                self.batch.symbol(),
+                                start + n
+                            ),
+                            rc,
+                        ));
+                    }
                 }
-                let at = if fail_idx < count {
-                    format!(", failed at copy {fail_idx}")
-                } else {
-                    String::new()
-                };
-                Err(self
-                    .driver
-                    .error(format!("{} ({count} copies{at})", self.batch.symbol()), rc))
+                Ok(())
             }
         }
     }
