@@ -4,6 +4,8 @@ before any test imports vLLM."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,18 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from sched_harness import model_config_dir
 
     return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))
+
+
+@pytest.fixture(scope="session")
+def fake_cuda_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fake CUDA driver (crates/offload-core/tests/fake_cuda), built with the C compiler."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}) to build the fake CUDA driver")
+    source = Path(__file__).resolve().parent.parent / "crates/offload-core/tests/fake_cuda"
+    lib = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(source / "fake_cuda.c"), "-lpthread"],
+        check=True,
+    )
+    return lib

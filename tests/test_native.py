@@ -42,8 +42,6 @@ def test_import_has_no_vllm_dependency() -> None:
         ("lazy_offload", 1, "1"),
         ("load_mode", "soon", "soon"),
         ("load_mode", 3, "3"),
-        ("cuda_copy", "gpu", "gpu"),
-        ("cuda_copy", True, "True"),
         ("remote_url", "http://cache:6379", "http://cache:6379"),
         ("remote_url", "redis://a:1,rediss://b:2", "rediss://b:2"),
         ("remote_timeout_ms", 0, "0"),
@@ -99,12 +97,6 @@ def test_remote_config_is_validated_and_never_shows_a_password() -> None:
     with pytest.raises(kvoffload.ConfigError) as info:
         kvoffload.parse_config({"remote_url": "redis://u:hunter2@", "remote_write": 1}, 1)
     assert "hunter2" not in str(info.value)
-
-
-def test_cuda_copy_defaults_to_auto_and_takes_each_path() -> None:
-    assert kvoffload.parse_config({}, 1)[0].cuda_copy == "auto"
-    for path in ("auto", "dma", "kernel"):
-        assert kvoffload.parse_config({"cuda_copy": path.upper()}, 1)[0].cuda_copy == path
 
 
 def test_config_must_be_a_mapping() -> None:

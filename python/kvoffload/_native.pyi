@@ -53,8 +53,6 @@ class OffloadConfig:
     @property
     def faults(self) -> str | None: ...
     @property
-    def cuda_copy(self) -> Literal["auto", "dma", "kernel"]: ...
-    @property
     def kv_cache_layout(self) -> str:
         """``"auto"``, ``"engine"`` or a vLLM layout name (upper case)."""
     @property
@@ -238,7 +236,6 @@ class TransferEngine:
         backend: Literal["host", "cuda"] = "host",
         device: int = 0,
         cuda_batch: bool = True,
-        cuda_copy: Literal["auto", "dma", "kernel"] = "auto",
         faults: str | None = None,
     ) -> TransferEngine: ...
     @staticmethod
@@ -249,7 +246,6 @@ class TransferEngine:
         backend: Literal["host", "cuda"] = "host",
         device: int = 0,
         cuda_batch: bool = True,
-        cuda_copy: Literal["auto", "dma", "kernel"] = "auto",
         faults: str | None = None,
     ) -> TransferEngine:
         """UNCHECKED raw addresses: a wrong one is memory corruption (tests, tools)."""

@@ -95,7 +95,6 @@ class OffloadWorker:
         self._fetched: list[tuple[int, int]] = []
         self._write_back: dict[int, tuple[bytes, bytes]] = {}
         self._faults = config.faults
-        self._cuda_copy = config.cuda_copy
         # Sized from this rank's own KV tensors in `register_kv_caches`: pipeline stages
         # with uneven layer splits, or a draft model's KV on the last one, make bytes per
         # block differ between ranks, so every rank fits its byte budget on its own.
@@ -166,7 +165,6 @@ class OffloadWorker:
                 tensors,
                 backend=backend,
                 device=device,
-                cuda_copy=self._cuda_copy,
                 faults=self._faults,
             )
         except HostMemoryError as e:

@@ -5,7 +5,6 @@ use std::fmt;
 
 use crate::error::ConfigError;
 use crate::tier::RemoteConfig;
-use crate::transfer::CopyPath;
 
 /// Key: total CPU bytes for offloaded KV across all ranks.
 pub const KEY_CPU_BYTES: &str = "cpu_bytes_to_use";
@@ -17,9 +16,6 @@ pub const KEY_LAZY: &str = "lazy_offload";
 pub const KEY_LOAD_MODE: &str = "load_mode";
 /// Key: the KV cache layout the connector asks vLLM for (see [`KvCacheLayout`]).
 pub const KEY_KV_CACHE_LAYOUT: &str = "kv_cache_layout";
-/// Key: which hardware copies blocks on a GPU: `"dma"` (default), `"auto"` or `"kernel"`
-/// (see [`CopyPath`]).
-pub const KEY_CUDA_COPY: &str = "cuda_copy";
 /// Key (tests only): faults to inject into the copy engine. Kept here as the raw string
 /// [`OffloadConfig::faults`]; the transfer engine, which owns fault injection, parses it
 /// (`FaultPlan::from_config_value`).
@@ -134,8 +130,6 @@ pub struct OffloadConfig {
     pub remote: Option<RemoteConfig>,
     /// The KV cache layout to ask vLLM for.
     pub kv_cache_layout: KvCacheLayout,
-    /// On GPUs: the copy engines, the copy kernel, or the kernel where it is faster.
-    pub cuda_copy: CopyPath,
 }
 
 /// The result of parsing: the config plus warnings the caller should log.
@@ -187,10 +181,6 @@ impl OffloadConfig {
             None | Some(ConfigValue::Null) => KvCacheLayout::Auto,
             Some(v) => parse_kv_cache_layout(v)?,
         };
-        let cuda_copy = match map.get(KEY_CUDA_COPY) {
-            None | Some(ConfigValue::Null) => CopyPath::Dma,
-            Some(v) => parse_cuda_copy(v)?,
-        };
         let faults = match map.get(KEY_FAULTS) {
             None | Some(ConfigValue::Null) => None,
             Some(ConfigValue::Str(spec)) if spec.trim().is_empty() => None,
@@ -226,7 +216,6 @@ impl OffloadConfig {
                 KEY_LAZY,
                 KEY_LOAD_MODE,
                 KEY_KV_CACHE_LAYOUT,
-                KEY_CUDA_COPY,
             ];
             if !known.contains(&key.as_str())
                 && !crate::tier::config::REMOTE_KEYS.contains(&key.as_str())
@@ -247,7 +236,6 @@ impl OffloadConfig {
                 world_size,
                 remote,
                 kv_cache_layout,
-                cuda_copy,
             },
             warnings,
         })
@@ -338,24 +326,6 @@ fn parse_load_mode(value: &ConfigValue) -> Result<LoadMode, ConfigError> {
             got: value.to_string(),
         }),
     }
-}
-
-fn parse_cuda_copy(value: &ConfigValue) -> Result<CopyPath, ConfigError> {
-    let ConfigValue::Str(s) = value else {
-        return Err(ConfigError::WrongType {
-            key: KEY_CUDA_COPY.to_string(),
-            expected: "one of the strings \"auto\", \"dma\", \"kernel\"",
-            got: value.to_string(),
-        });
-    };
-    s.trim()
-        .to_ascii_lowercase()
-        .parse()
-        .map_err(|_| ConfigError::InvalidValue {
-            key: KEY_CUDA_COPY.to_string(),
-            value: value.to_string(),
-            reason: "must be \"auto\", \"dma\" or \"kernel\"",
-        })
 }
 
 fn parse_kv_cache_layout(value: &ConfigValue) -> Result<KvCacheLayout, ConfigError> {
@@ -509,26 +479,6 @@ mod tests {
                 .config
                 .lazy_offload
         );
-    }
-
-    #[test]
-    fn cuda_copy_parses_and_names_bad_values() {
-        let copy = |v| parse(&[(KEY_CUDA_COPY, v)], 1).map(|p| p.config.cuda_copy);
-        assert_eq!(parse(&[], 1).unwrap().config.cuda_copy, CopyPath::Dma);
-        assert_eq!(
-            copy(ConfigValue::Str(" DMA ".into())).unwrap(),
-            CopyPath::Dma
-        );
-        assert_eq!(
-            copy(ConfigValue::Str("kernel".into())).unwrap(),
-            CopyPath::Kernel
-        );
-        let err = copy(ConfigValue::Str("gpu".into()))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("cuda_copy") && err.contains("gpu"), "{err}");
-        let err = copy(ConfigValue::Int(1)).unwrap_err().to_string();
-        assert!(err.contains("cuda_copy"), "{err}");
     }
 
     #[test]

@@ -9,8 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::fake_cuda::{
-    assert_released, config, dma_options, engine, round_trip, store, Fake,
-    CUDA_ERROR_INVALID_VALUE, SCATTERED,
+    assert_released, config, engine, round_trip, store, Fake, CUDA_ERROR_INVALID_VALUE, SCATTERED,
 };
 use common::transfer::{run_one, FakeGpu, WAIT};
 use offload_core::transfer::{
@@ -22,7 +21,7 @@ use offload_core::transfer::{
 
 fn check_path(fake: &Fake, version: i32, expected: BatchApi, log_token: &str) {
     fake.set("fake_set_version", version);
-    let backend = fake.backend(dma_options());
+    let backend = fake.backend(CudaOptions::default());
     assert_eq!(backend.batch_api(), expected);
     let gpu = FakeGpu::new(16 * 256);
     gpu.fill_random(u64::from(version.unsigned_abs()));
@@ -83,7 +82,7 @@ fn the_batch_api_can_be_disabled() {
     let fake = Fake::full();
     let backend = fake.backend(CudaOptions {
         allow_batch: false,
-        ..dma_options()
+        ..CudaOptions::default()
     });
     assert_eq!(backend.batch_api(), BatchApi::Unavailable);
     assert_eq!(backend.driver().batch_api(), BatchApi::Cuda13);
@@ -97,7 +96,7 @@ fn the_batch_api_can_be_disabled() {
 #[test]
 fn the_stream_is_non_blocking_at_the_lowest_priority_on_the_primary_context() {
     let fake = Fake::full();
-    let backend = fake.backend(dma_options());
+    let backend = fake.backend(CudaOptions::default());
     assert_eq!(
         backend.describe(),
         "cuda (driver 13.0, device 0, cuMemcpyBatchAsync_v2)"
@@ -129,7 +128,7 @@ fn optional_symbols_may_be_missing() {
     let engine = engine(
         vec![gpu.region(16, 64, 64)],
         16,
-        fake.backend(dma_options()),
+        fake.backend(CudaOptions::default()),
     );
     round_trip(&engine, &gpu, 64, SCATTERED);
     // Without cuGetErrorName the built-in names still name the code.
@@ -206,7 +205,7 @@ fn a_bad_device_ordinal_fails_at_construction() {
         fake.driver().unwrap(),
         CudaOptions {
             device: 3,
-            ..dma_options()
+            ..CudaOptions::default()
         },
     )
     .unwrap_err();
@@ -224,7 +223,7 @@ fn bad_options_are_refused() {
         fake.driver().unwrap(),
         CudaOptions {
             pin_chunk_bytes: 1000,
-            ..dma_options()
+            ..CudaOptions::default()
         },
     )
     .unwrap_err();
@@ -234,7 +233,7 @@ fn bad_options_are_refused() {
 #[test]
 fn a_failed_attach_is_fatal_and_never_ready() {
     let fake = Fake::full();
-    let backend = fake.backend(dma_options());
+    let backend = fake.backend(CudaOptions::default());
     // The device vanishes between construction and attach.
     fake.set("fake_set_device_count", 0);
     let gpu = FakeGpu::new(4 * 64);
@@ -266,7 +265,7 @@ fn the_engine_is_not_ready_until_pinned_and_early_jobs_wait() {
         vec![gpu.region(8, 128, 128)],
         8,
         config(),
-        fake.backend(dma_options()),
+        fake.backend(CudaOptions::default()),
     )
     .unwrap();
     assert!(!engine.is_ready());
@@ -290,7 +289,7 @@ fn pinning_is_chunked_and_no_copy_spans_two_chunks() {
     gpu.fill_random(3);
     let backend = fake.backend(CudaOptions {
         pin_chunk_bytes: 8192,
-        ..dma_options()
+        ..CudaOptions::default()
     });
     let engine = engine(vec![gpu.region(40, 1000, 1000)], 40, backend);
     assert_eq!(fake.get_int("fake_registrations"), 5);
@@ -314,7 +313,7 @@ fn consecutive_ids_become_one_descriptor_per_region() {
     let engine = engine(
         vec![a.region(16, 32, 32), b.region(16, 48, 48)],
         16,
-        fake.backend(dma_options()),
+        fake.backend(CudaOptions::default()),
     );
     // Two runs ((0..3 -> 4..7), (9 -> 1)) in two regions: four copies.
     let pairs = [(0, 4), (1, 5), (2, 6), (9, 1)];
@@ -337,7 +336,7 @@ fn a_large_job_is_enqueued_in_bounded_batch_calls() {
     let engine = engine(
         vec![gpu.region(2 * n as u32, block, block)],
         n as u32,
-        fake.backend(dma_options()),
+        fake.backend(CudaOptions::default()),
     );
     // Every other device block: nothing coalesces, one copy per block.
     let pairs: Vec<(u32, u32)> = (0..n as u32).map(|i| (2 * i, i)).collect();
@@ -356,7 +355,7 @@ fn the_loop_issues_one_memcpy_per_coalesced_run() {
         16,
         fake.backend(CudaOptions {
             allow_batch: false,
-            ..dma_options()
+            ..CudaOptions::default()
         }),
     );
     let pairs = [(0, 4), (1, 5), (2, 6), (9, 1), (10, 2), (14, 15)];
@@ -375,7 +374,7 @@ fn a_cross_layer_region_with_megabyte_blocks_round_trips() {
     let engine = engine(
         vec![gpu.region(12, block, block)],
         8,
-        fake.backend(dma_options()),
+        fake.backend(CudaOptions::default()),
     );
     round_trip(
         &engine,
@@ -397,7 +396,7 @@ fn a_store_waits_for_the_compute_event_before_reading() {
     let mut engine = engine(
         vec![gpu.region(8, block, block)],
         8,
-        fake.backend(dma_options()),
+        fake.backend(CudaOptions::default()),
     );
     let compute_done = fake.user_event();
     fake.clear_log();
@@ -434,7 +433,7 @@ fn completion_is_polled_not_assumed() {
     let engine = engine(
         vec![gpu.region(16, 64, 64)],
         16,
-        fake.backend(dma_options()),
+        fake.backend(CudaOptions::default()),
     );
     for id in 0..8u64 {
         engine.submit(store(id, &[(id as u32, id as u32)])).unwrap();

@@ -9,8 +9,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::fake_cuda::{
-    assert_released, dma_options, engine, load, round_trip, store, Fake,
-    CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_INVALID_VALUE, SCATTERED,
+    assert_released, engine, load, round_trip, store, Fake, CUDA_ERROR_ILLEGAL_ADDRESS,
+    CUDA_ERROR_INVALID_VALUE, SCATTERED,
 };
 use common::transfer::{run_one, FakeGpu, WAIT};
 use offload_core::transfer::{CudaOptions, JobError, SubmitError};
@@ -47,7 +47,7 @@ fn failed_copy_fails_only_its_job(options: CudaOptions, fail_at: i64) {
 
 #[test]
 fn a_failed_batch_copy_is_reported_and_later_jobs_succeed() {
-    failed_copy_fails_only_its_job(dma_options(), 0);
+    failed_copy_fails_only_its_job(CudaOptions::default(), 0);
 }
 
 #[test]
@@ -56,7 +56,7 @@ fn a_failed_loop_copy_midway_is_reported_not_hung() {
     failed_copy_fails_only_its_job(
         CudaOptions {
             allow_batch: false,
-            ..dma_options()
+            ..CudaOptions::default()
         },
         1,
     );
@@ -66,7 +66,11 @@ fn a_failed_loop_copy_midway_is_reported_not_hung() {
 fn an_asynchronous_error_fails_its_job() {
     let fake = Fake::full();
     let gpu = FakeGpu::new(4 * 64);
-    let engine = engine(vec![gpu.region(4, 64, 64)], 4, fake.backend(dma_options()));
+    let engine = engine(
+        vec![gpu.region(4, 64, 64)],
+        4,
+        fake.backend(CudaOptions::default()),
+    );
     fake.set("fake_fail_next_query", CUDA_ERROR_INVALID_VALUE);
     let err = run_one(&engine, load(1, &[(0, 0)])).result.unwrap_err();
     assert!(err.to_string().contains("cuEventQuery failed"), "{err}");
@@ -78,7 +82,11 @@ fn an_asynchronous_error_fails_its_job() {
 fn a_sticky_error_is_fatal_and_named_in_every_later_call() {
     let fake = Fake::full();
     let gpu = FakeGpu::new(4 * 64);
-    let engine = engine(vec![gpu.region(4, 64, 64)], 4, fake.backend(dma_options()));
+    let engine = engine(
+        vec![gpu.region(4, 64, 64)],
+        4,
+        fake.backend(CudaOptions::default()),
+    );
     assert_eq!(run_one(&engine, store(1, &[(0, 0)])).result, Ok(()));
     // The device faults while copying job 2.
     fake.set("fake_fail_next_query", CUDA_ERROR_ILLEGAL_ADDRESS);
@@ -107,7 +115,11 @@ fn a_sticky_error_is_fatal_and_named_in_every_later_call() {
 fn a_sticky_error_at_submission_is_fatal() {
     let fake = Fake::full();
     let gpu = FakeGpu::new(4 * 64);
-    let engine = engine(vec![gpu.region(4, 64, 64)], 4, fake.backend(dma_options()));
+    let engine = engine(
+        vec![gpu.region(4, 64, 64)],
+        4,
+        fake.backend(CudaOptions::default()),
+    );
     fake.fail_copy_at(0, CUDA_ERROR_ILLEGAL_ADDRESS);
     let err = run_one(&engine, store(1, &[(0, 0)])).result.unwrap_err();
     assert!(
@@ -125,7 +137,11 @@ fn a_sticky_error_at_submission_is_fatal() {
 fn an_invalid_wait_event_fails_only_its_job() {
     let fake = Fake::full();
     let gpu = FakeGpu::new(4 * 64);
-    let engine = engine(vec![gpu.region(4, 64, 64)], 4, fake.backend(dma_options()));
+    let engine = engine(
+        vec![gpu.region(4, 64, 64)],
+        4,
+        fake.backend(CudaOptions::default()),
+    );
     let bogus = Box::into_raw(Box::new(0u64)) as u64;
     let err = run_one(&engine, store(1, &[(0, 0)]).with_wait_event(bogus))
         .result
@@ -149,7 +165,7 @@ fn a_failed_event_record_after_the_copies_were_enqueued_is_reported_after_they_r
     let mut engine = engine(
         vec![gpu.region(8, block, block)],
         8,
-        fake.backend(dma_options()),
+        fake.backend(CudaOptions::default()),
     );
     // The store's copy is enqueued behind the compute event, so it cannot run yet, and then
     // recording the job's own event fails.
@@ -188,7 +204,7 @@ fn a_load_is_not_queued_behind_a_store_on_the_device() {
     let engine = engine(
         vec![gpu.region(8, block, block)],
         8,
-        fake.backend(dma_options()),
+        fake.backend(CudaOptions::default()),
     );
     // The store waits for a forward pass that is still running.
     let compute_done = fake.user_event();

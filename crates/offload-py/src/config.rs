@@ -50,12 +50,6 @@ impl PyOffloadConfig {
         }
     }
 
-    /// The `cuda_copy` key: `"auto"`, `"dma"` or `"kernel"`.
-    #[getter]
-    fn cuda_copy(&self) -> &'static str {
-        self.inner.cuda_copy.name()
-    }
-
     /// The remote tier's settings (URLs with passwords masked), or `None` without
     /// `remote_url`.
     #[getter]

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use offload_core::transfer::{
-    BackendKind, BlockAccessError, BuildError, Completion, CopyPath, CudaOptions, Direction,
-    FaultPlan, ReadyError, RegionSpec, SubmitError, TransferConfig, TransferEngine, TransferJob,
+    BackendKind, BlockAccessError, BuildError, Completion, CudaOptions, Direction, FaultPlan,
+    ReadyError, RegionSpec, SubmitError, TransferConfig, TransferEngine, TransferJob,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -108,21 +108,12 @@ fn allocation(tensor: &Bound<'_, PyAny>) -> PyResult<Allocation> {
     })
 }
 
-fn backend_kind(
-    backend: &str,
-    device: i32,
-    cuda_batch: bool,
-    cuda_copy: &str,
-) -> PyResult<BackendKind> {
-    let copy_path = cuda_copy
-        .parse::<CopyPath>()
-        .map_err(|e| INVALID_INPUT_ERROR.err(format!("cuda_copy: {e}")))?;
+fn backend_kind(backend: &str, device: i32, cuda_batch: bool) -> PyResult<BackendKind> {
     match backend {
         "host" => Ok(BackendKind::Host),
         "cuda" => Ok(BackendKind::Cuda(CudaOptions {
             device,
             allow_batch: cuda_batch,
-            copy_path,
             ..CudaOptions::default()
         })),
         other => Err(INVALID_INPUT_ERROR.err(format!(
@@ -229,8 +220,7 @@ impl PyTransferEngine {
     ///
     /// `backend`: `"host"` (memcpy; CPU tensors) or `"cuda"` (the CUDA driver, loaded at
     /// run time; `device` is the tensors' CUDA ordinal, `cuda_batch=False` forces the
-    /// `cuMemcpyAsync` loop; `cuda_copy` is `"auto"`, `"dma"` or `"kernel"`, see
-    /// `offload_core::transfer::CopyPath`). With `"cuda"` the host memory is pinned in the background:
+    /// `cuMemcpyAsync` loop). With `"cuda"` the host memory is pinned in the background:
     /// see `ready`.
     ///
     /// `faults`: a fault-injection spec for tests (`"fail_loads_every=3,delay_ms=5"`,
@@ -238,7 +228,7 @@ impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (
         regions, num_cpu_blocks, tensors, hugepages = false, backend = "host", device = 0,
-        cuda_batch = true, cuda_copy = "auto", faults = None
+        cuda_batch = true, faults = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -250,10 +240,9 @@ impl PyTransferEngine {
         backend: &str,
         device: i32,
         cuda_batch: bool,
-        cuda_copy: &str,
         faults: Option<&str>,
     ) -> PyResult<Self> {
-        let kind = backend_kind(backend, device, cuda_batch, cuda_copy)?;
+        let kind = backend_kind(backend, device, cuda_batch)?;
         let allocations = tensors
             .iter()
             .map(allocation)
@@ -277,7 +266,7 @@ impl PyTransferEngine {
     #[staticmethod]
     #[pyo3(signature = (
         regions, num_cpu_blocks, hugepages = false, backend = "host", device = 0,
-        cuda_batch = true, cuda_copy = "auto", faults = None
+        cuda_batch = true, faults = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn _unchecked(
@@ -288,10 +277,9 @@ impl PyTransferEngine {
         backend: &str,
         device: i32,
         cuda_batch: bool,
-        cuda_copy: &str,
         faults: Option<&str>,
     ) -> PyResult<Self> {
-        let kind = backend_kind(backend, device, cuda_batch, cuda_copy)?;
+        let kind = backend_kind(backend, device, cuda_batch)?;
         let specs = regions
             .into_iter()
             .map(|(base, n, bytes, stride)| {

@@ -116,10 +116,7 @@ impl<B: CopyBackend> CopyThread<B> {
     pub(crate) fn run(mut self) {
         let _guard = PanicGuard(Arc::clone(&self.shared));
         match self.guarded(|b, host| b.attach(host.0, host.1)) {
-            Ok(()) => {
-                let _ = self.shared.attached_detail.set(self.backend.describe());
-                self.shared.ready.store(true, Ordering::Release);
-            }
+            Ok(()) => self.shared.ready.store(true, Ordering::Release),
             Err(err) => {
                 self.shared.stop(format!(
                     "{} backend failed to attach host memory: {}",

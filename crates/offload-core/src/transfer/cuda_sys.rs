@@ -28,10 +28,6 @@ pub(crate) type CUcontext = *mut c_void;
 pub(crate) type CUstream = *mut c_void;
 /// Opaque `struct CUevent_st *` (interchangeable with the runtime's `cudaEvent_t`).
 pub(crate) type CUevent = *mut c_void;
-/// Opaque `struct CUmod_st *`.
-pub(crate) type CUmodule = *mut c_void;
-/// Opaque `struct CUfunc_st *`.
-pub(crate) type CUfunction = *mut c_void;
 
 pub(crate) const CUDA_SUCCESS: CUresult = 0;
 pub(crate) const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
@@ -76,9 +72,6 @@ pub(crate) const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
 pub(crate) const CU_EVENT_WAIT_DEFAULT: c_uint = 0x0;
 /// `CU_MEMHOSTREGISTER_PORTABLE`: pinned for every CUDA context, not just the current one.
 pub(crate) const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 0x01;
-/// `CU_MEMHOSTREGISTER_DEVICEMAP`: also mapped into the device's address space, so kernels
-/// can read and write the pages.
-pub(crate) const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 0x02;
 
 /// `CU_MEMCPY_SRC_ACCESS_ORDER_STREAM`: the source is read in stream order (after the
 /// stream's earlier work, including event waits).
@@ -188,50 +181,6 @@ pub(crate) type cuMemHostRegister_t =
     unsafe extern "C" fn(p: *mut c_void, bytes: usize, flags: c_uint) -> CUresult;
 /// `CUresult cuMemHostUnregister(void *p)`.
 pub(crate) type cuMemHostUnregister_t = unsafe extern "C" fn(p: *mut c_void) -> CUresult;
-/// `CUresult cuModuleLoadData(CUmodule *module, const void *image)`; a PTX image is a
-/// NUL-terminated string.
-pub(crate) type cuModuleLoadData_t =
-    unsafe extern "C" fn(module: *mut CUmodule, image: *const c_void) -> CUresult;
-/// `CUresult cuModuleUnload(CUmodule hmod)`.
-pub(crate) type cuModuleUnload_t = unsafe extern "C" fn(module: CUmodule) -> CUresult;
-/// `CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)`.
-pub(crate) type cuModuleGetFunction_t =
-    unsafe extern "C" fn(func: *mut CUfunction, module: CUmodule, name: *const c_char) -> CUresult;
-/// `CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-/// unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY, unsigned int
-/// blockDimZ, unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void
-/// **extra)`.
-pub(crate) type cuLaunchKernel_t = unsafe extern "C" fn(
-    func: CUfunction,
-    grid_x: c_uint,
-    grid_y: c_uint,
-    grid_z: c_uint,
-    block_x: c_uint,
-    block_y: c_uint,
-    block_z: c_uint,
-    shared_mem_bytes: c_uint,
-    stream: CUstream,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult;
-/// `CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)` (`cuMemAlloc`).
-pub(crate) type cuMemAlloc_t =
-    unsafe extern "C" fn(dptr: *mut CUdeviceptr, bytes: usize) -> CUresult;
-/// `CUresult cuMemFree_v2(CUdeviceptr dptr)` (`cuMemFree`).
-pub(crate) type cuMemFree_t = unsafe extern "C" fn(dptr: CUdeviceptr) -> CUresult;
-/// `CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t
-/// ByteCount, CUstream hStream)` (`cuMemcpyHtoDAsync`). From pageable memory the source is
-/// staged before the call returns, so the caller may reuse it at once.
-pub(crate) type cuMemcpyHtoDAsync_t = unsafe extern "C" fn(
-    dst: CUdeviceptr,
-    src: *const c_void,
-    bytes: usize,
-    stream: CUstream,
-) -> CUresult;
-/// `CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags)`
-/// (`cuMemHostGetDevicePointer`).
-pub(crate) type cuMemHostGetDevicePointer_t =
-    unsafe extern "C" fn(dptr: *mut CUdeviceptr, p: *mut c_void, flags: c_uint) -> CUresult;
 /// `CUresult cuGetErrorName(CUresult error, const char **pStr)`.
 pub(crate) type cuGetErrorName_t =
     unsafe extern "C" fn(error: CUresult, out: *mut *const c_char) -> CUresult;

@@ -412,13 +412,9 @@ impl TransferEngine {
         self.backend_name
     }
 
-    /// The backend's description ([`CopyBackend::describe`]), e.g. the CUDA copy path; once
-    /// the engine is ready, as attaching settled it.
+    /// The backend's description ([`CopyBackend::describe`]), e.g. the CUDA copy path.
     pub fn backend_detail(&self) -> &str {
-        self.shared
-            .attached_detail
-            .get()
-            .map_or(&self.backend_detail, String::as_str)
+        &self.backend_detail
     }
 
     /// Whether the backend finished attaching the host memory (for CUDA: pinned it). Jobs

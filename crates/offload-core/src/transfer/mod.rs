@@ -64,10 +64,7 @@ mod types;
 
 pub use backend::{BackendError, CopyBackend, Ticket};
 pub use config::{BackendKind, TransferConfig};
-pub use cuda::{
-    BatchApi, CopyPath, CudaCopyBackend, CudaDriver, CudaError, CudaOptions,
-    AUTO_KERNEL_BELOW_BYTES, MAX_BATCH_COPIES,
-};
+pub use cuda::{BatchApi, CudaCopyBackend, CudaDriver, CudaError, CudaOptions, MAX_BATCH_COPIES};
 pub use engine::TransferEngine;
 pub use error::{
     BlockAccessError, BuildError, JobError, ReadyError, RegionError, ShutdownError, SubmitError,

@@ -14,9 +14,6 @@ pub(crate) struct Shared {
     pub(crate) shutting_down: AtomicBool,
     /// Set once the backend's `attach` succeeded (host memory pinned); never cleared.
     pub(crate) ready: AtomicBool,
-    /// The backend's description once attached: attaching can settle what it does (the
-    /// CUDA backend's copy kernel loads then, or not).
-    pub(crate) attached_detail: OnceLock<String>,
     /// Jobs accepted and not yet completed. The copy thread decrements it (Release) only
     /// after the backend is done with a job's memory, so observing 0 (Acquire) proves no copy
     /// touches host memory.

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use offload_core::transfer::{
-    CopyPath, CudaCopyBackend, CudaDriver, CudaError, CudaOptions, Direction, RegionSpec,
-    TransferConfig, TransferEngine, TransferJob,
+    CudaCopyBackend, CudaDriver, CudaError, CudaOptions, Direction, RegionSpec, TransferConfig,
+    TransferEngine, TransferJob,
 };
 
 use super::transfer::{run_one, FakeGpu, WAIT};
@@ -190,18 +190,6 @@ impl Drop for Fake {
 
 // ---- engines -----------------------------------------------------------
 
-/// Options that keep every job on the copy engines (the tests of the DMA paths).
-pub fn dma_options() -> CudaOptions {
-    options(CopyPath::Dma)
-}
-
-pub fn options(copy_path: CopyPath) -> CudaOptions {
-    CudaOptions {
-        copy_path,
-        ..CudaOptions::default()
-    }
-}
-
 pub fn config() -> TransferConfig {
     TransferConfig {
         poll_interval: Duration::from_micros(20),
@@ -250,16 +238,6 @@ pub fn assert_released(fake: &Fake) {
     );
     assert_eq!(fake.get_int("fake_live_events"), 0, "events leaked");
     assert_eq!(fake.get_int("fake_live_streams"), 0, "streams leaked");
-    assert_eq!(
-        fake.get_int("fake_live_modules"),
-        0,
-        "copy kernel module leaked"
-    );
-    assert_eq!(
-        fake.get_int("fake_live_allocations"),
-        0,
-        "device memory leaked"
-    );
 }
 
 pub const SCATTERED: &[(u32, u32)] = &[(0, 3), (1, 4), (2, 5), (9, 0), (12, 13), (13, 14), (7, 1)];

@@ -11,23 +11,7 @@
  * Built by the test at run time (cc -shared -fPIC). Compile-time switches omit symbols:
  *   -DNO_BATCH_V1 (cuMemcpyBatchAsync), -DNO_BATCH_V2 (cuMemcpyBatchAsync_v2),
  *   -DNO_EVENT_QUERY (cuEventQuery, a required symbol), -DNO_ERROR_NAME (cuGetErrorName
- *   and cuGetErrorString), -DNO_PRIORITY_RANGE (cuCtxGetStreamPriorityRange),
- *   -DNO_COPY_KERNEL (the copy-kernel path: cuModuleLoadData, cuModuleUnload,
- *   cuModuleGetFunction, cuLaunchKernel, cuMemAlloc_v2, cuMemFree_v2, cuMemcpyHtoDAsync_v2,
- *   cuMemHostGetDevicePointer_v2; the backend must fall back to copy engines).
- *
- * The copy kernel: cuModuleLoadData accepts a PTX string containing `.entry kvoffload_copy`
- * and cuModuleGetFunction finds only `kvoffload_copy`. cuLaunchKernel takes two parameters,
- * kernelParams[0] -> unsigned long long device address of a table, kernelParams[1] ->
- * unsigned long long count; the table holds `count` entries {src, dst, len} (three
- * unsigned long long each). The parameter values are read at launch, the table when the
- * launch runs in stream order, and each entry is then memcpy'd. An entry or table that
- * runs off the end of a registration or an allocation, or a NULL address with len > 0,
- * faults the "kernel": the context gets the sticky CUDA_ERROR_ILLEGAL_ADDRESS, as a real
- * out-of-bounds access would. cuMemcpyHtoDAsync_v2 captures its source at the call, as
- * the real driver does for pageable memory, and writes the destination in stream order.
- * Device memory (cuMemAlloc_v2) is zero-filled host memory.
- *
+ *   and cuGetErrorString), -DNO_PRIORITY_RANGE (cuCtxGetStreamPriorityRange).
  * Run-time behaviour is set through the exported fake_* functions; tests call them through
  * the same dlopen handle the backend uses.
  *
@@ -65,10 +49,8 @@ _Static_assert(sizeof(CUmemcpyAttributes) == 24, "CUmemcpyAttributes layout");
 #define CUDA_ERROR_OUT_OF_MEMORY 2
 #define CUDA_ERROR_NO_DEVICE 100
 #define CUDA_ERROR_INVALID_DEVICE 101
-#define CUDA_ERROR_INVALID_IMAGE 200
 #define CUDA_ERROR_INVALID_CONTEXT 201
 #define CUDA_ERROR_INVALID_HANDLE 400
-#define CUDA_ERROR_NOT_FOUND 500
 #define CUDA_ERROR_NOT_READY 600
 #define CUDA_ERROR_ILLEGAL_ADDRESS 700
 #define CUDA_ERROR_LAUNCH_TIMEOUT 702
@@ -80,16 +62,10 @@ _Static_assert(sizeof(CUmemcpyAttributes) == 24, "CUmemcpyAttributes layout");
 
 #define EVENT_MAGIC 0x45564e54u
 #define STREAM_MAGIC 0x5354524du
-#define MODULE_MAGIC 0x4d4f444cu
-#define FUNCTION_MAGIC 0x46554e43u
 #define MAX_STREAMS 16
 #define MAX_REGISTRATIONS 256
-#define MAX_MODULES 16
-#define KERNEL_NAME "kvoffload_copy"
-#define KERNEL_ENTRY ".entry " KERNEL_NAME
 
-/* OP_KERNEL: `src` is the table's device address, `len` the entry count. */
-enum { OP_WAIT, OP_COPY, OP_RECORD, OP_KERNEL };
+enum { OP_WAIT, OP_COPY, OP_RECORD };
 
 typedef struct Event {
     unsigned magic;
@@ -106,7 +82,6 @@ typedef struct {
     void *dst;
     const void *src;
     size_t len;
-    int owns_src; /* OP_COPY: `src` is a private malloc'd capture, freed once copied */
 } Op;
 
 typedef struct {
@@ -121,20 +96,6 @@ typedef struct {
     uintptr_t base;
     size_t len;
 } Registration;
-
-/* A device allocation (cuMemAlloc_v2): plain host memory. */
-typedef Registration Allocation;
-
-typedef struct Module Module;
-typedef struct {
-    unsigned magic;
-    Module *module;
-} Function;
-
-struct Module {
-    unsigned magic;
-    Function function; /* kvoffload_copy, the only entry */
-};
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int g_version = 13000;
@@ -152,7 +113,6 @@ static int g_ctx_refs = 0;
 static int g_ctx_token;
 static int g_last_stream_flags = -1;
 static int g_last_stream_priority = 12345;
-static int g_last_register_flags = -1;
 static int g_live_events = 0;
 static long g_unpinned_copies = 0;
 static long g_batch_calls = 0;
@@ -162,17 +122,6 @@ static unsigned g_last_batch_order = 0;
 static Stream *g_streams[MAX_STREAMS];
 static Registration g_regs[MAX_REGISTRATIONS];
 static int g_nregs = 0;
-static Module *g_modules[MAX_MODULES];
-static int g_fail_module_load_code = 0;
-static Allocation *g_allocs = NULL;
-static int g_nallocs = 0;
-static int g_fail_alloc_code = 0;
-static int g_fail_htod_code = 0;
-static long g_htod_calls = 0;
-static long g_kernel_launches = 0;
-static long g_last_kernel_count = 0;
-static int g_last_kernel_grid = 0;
-static int g_last_kernel_block = 0;
 static char g_log[1 << 16];
 static size_t g_log_len = 0;
 static __thread void *t_ctx = NULL;
@@ -206,9 +155,6 @@ static int valid_stream(Stream *s) {
 
 static int valid_event(Event *e) { return e != NULL && e->magic == EVENT_MAGIC; }
 
-static int find_registration(uintptr_t p);
-static void run_kernel(const Op *op);
-
 /* Runs every stream's operations until each is empty or blocked on a wait. */
 static void progress(void) {
     for (int i = 0; i < MAX_STREAMS; i++) {
@@ -220,9 +166,6 @@ static void progress(void) {
                 if (op->event->done < op->generation) break;
             } else if (op->kind == OP_COPY) {
                 memcpy(op->dst, op->src, op->len);
-                if (op->owns_src) free((void *)op->src);
-            } else if (op->kind == OP_KERNEL) {
-                run_kernel(op);
             } else if (op->event->done < op->generation) {
                 op->event->done = op->generation;
             }
@@ -266,54 +209,9 @@ static int enqueue_copy(Stream *s, CUdeviceptr dst, CUdeviceptr src, size_t len)
     if (rc == CUDA_SUCCESS) rc = check_pinned((const void *)(uintptr_t)dst, len, &pinned);
     if (rc != CUDA_SUCCESS) return rc;
     if (!pinned) g_unpinned_copies++;
-    Op op = {OP_COPY, NULL, 0, (void *)(uintptr_t)dst, (const void *)(uintptr_t)src, len, 0};
+    Op op = {OP_COPY, NULL, 0, (void *)(uintptr_t)dst, (const void *)(uintptr_t)src, len};
     return push(s, op);
 }
-
-static int find_allocation(uintptr_t p) {
-    for (int i = 0; i < g_nallocs; i++)
-        if (p >= g_allocs[i].base && p - g_allocs[i].base < g_allocs[i].len) return i;
-    return -1;
-}
-
-/* Whether the "device" may touch [p, p + len): a NULL address is a fault, and a range that
- * starts in a registration or an allocation must end inside it. Other addresses count as
- * device memory the fake cannot see (the tests' fake GPU buffers). */
-static int device_range_ok(uintptr_t p, size_t len) {
-    if (len == 0) return 1;
-    if (p == 0) return 0;
-    int r = find_registration(p);
-    if (r >= 0) return p + len - g_regs[r].base <= g_regs[r].len;
-    r = find_allocation(p);
-    if (r >= 0) return p + len - g_allocs[r].base <= g_allocs[r].len;
-    return 1;
-}
-
-/* The copy kernel, run in stream order: reads its table now (uploaded earlier on the same
- * stream) and copies every entry. A bad address faults the context, as on a GPU. */
-static void run_kernel(const Op *op) {
-    uintptr_t table = (uintptr_t)op->src;
-    size_t count = op->len;
-    if (g_sticky) return;
-    if (count > SIZE_MAX / (3 * sizeof(unsigned long long)) ||
-        !device_range_ok(table, count * 3 * sizeof(unsigned long long))) {
-        g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
-        return;
-    }
-    const unsigned long long *t = (const unsigned long long *)table;
-    for (size_t i = 0; i < count; i++) {
-        uintptr_t src = (uintptr_t)t[3 * i], dst = (uintptr_t)t[3 * i + 1];
-        size_t len = (size_t)t[3 * i + 2];
-        if (!device_range_ok(src, len) || !device_range_ok(dst, len)) {
-            g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
-            return;
-        }
-        if (len == 0) continue;
-        if (find_registration(src) < 0 && find_registration(dst) < 0) g_unpinned_copies++;
-        memcpy((void *)dst, (const void *)src, len);
-    }
-}
-
 
 /* The scripted failure of the current copy call, if any. */
 static int scripted_copy_failure(void) {
@@ -424,8 +322,6 @@ EXPORT CUresult cuStreamDestroy_v2(void *hStream) {
     for (int i = 0; i < MAX_STREAMS; i++)
         if (g_streams[i] == s) g_streams[i] = NULL;
     s->magic = 0;
-    for (size_t j = s->head; j < s->len; j++)
-        if (s->ops[j].owns_src) free((void *)s->ops[j].src);
     free(s->ops);
     free(s);
     LEAVE(CUDA_SUCCESS);
@@ -438,7 +334,6 @@ EXPORT CUresult cuStreamSynchronize(void *hStream) {
     log_op("sync", 0);
     for (int waited = 0;; waited++) {
         progress();
-        if (g_sticky) LEAVE(g_sticky); /* a fault raised by a kernel that just ran */
         if (s->len == 0) LEAVE(CUDA_SUCCESS);
         if (waited >= 5000) LEAVE(CUDA_ERROR_LAUNCH_TIMEOUT);
         pthread_mutex_unlock(&mu);
@@ -455,7 +350,7 @@ EXPORT CUresult cuStreamWaitEvent(void *hStream, void *hEvent, unsigned int flag
     if (!valid_stream(s) || !valid_event(e)) LEAVE(CUDA_ERROR_INVALID_HANDLE);
     if (flags != 0) LEAVE(CUDA_ERROR_INVALID_VALUE);
     log_op("wait", 0);
-    Op op = {OP_WAIT, e, e->recorded, NULL, NULL, 0, 0};
+    Op op = {OP_WAIT, e, e->recorded, NULL, NULL, 0};
     LEAVE(push(s, op));
 }
 
@@ -486,7 +381,7 @@ EXPORT CUresult cuEventRecord(void *hEvent, void *hStream) {
     log_op("record", 0);
     e->recorded++;
     e->delay_left = g_query_delay;
-    Op op = {OP_RECORD, e, e->recorded, NULL, NULL, 0, 0};
+    Op op = {OP_RECORD, e, e->recorded, NULL, NULL, 0};
     LEAVE(push(s, op));
 }
 
@@ -502,7 +397,6 @@ EXPORT CUresult cuEventQuery(void *hEvent) {
         LEAVE(code);
     }
     progress();
-    if (g_sticky) LEAVE(g_sticky); /* a fault raised by a kernel that just ran */
     if (e->done < e->recorded) LEAVE(CUDA_ERROR_NOT_READY);
     if (e->delay_left > 0) {
         e->delay_left--;
@@ -597,9 +491,7 @@ EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytes, unsigned int flags) 
     if (delay > 0) sleep_ms(delay);
     ENTER();
     NEED_CONTEXT();
-    g_last_register_flags = (int)flags;
-    /* PORTABLE 0x1, DEVICEMAP 0x2, IOMEMORY 0x4, READ_ONLY 0x8 */
-    if ((flags & ~0xfu) != 0) LEAVE(CUDA_ERROR_INVALID_VALUE);
+    (void)flags;
     if (p == NULL || bytes == 0) LEAVE(CUDA_ERROR_INVALID_VALUE);
     uintptr_t base = (uintptr_t)p;
     for (int i = 0; i < g_nregs; i++)
@@ -625,236 +517,6 @@ EXPORT CUresult cuMemHostUnregister(void *p) {
     LEAVE(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
 }
 
-#ifndef NO_COPY_KERNEL
-/* ---- the copy-kernel path ------------------------------------------------------------ */
-
-static int g_allocs_cap = 0;
-
-/* Whether an op not yet run reads or writes [base, base + len). */
-static int pending_op_touches(uintptr_t base, size_t len) {
-    for (int i = 0; i < MAX_STREAMS; i++) {
-        Stream *s = g_streams[i];
-        if (s == NULL) continue;
-        for (size_t j = s->head; j < s->len; j++) {
-            Op *op = &s->ops[j];
-            uintptr_t a = 0;
-            if (op->kind == OP_COPY) {
-                a = (uintptr_t)op->dst;
-                if (a - base < len) return 1;
-                a = (uintptr_t)op->src;
-            } else if (op->kind == OP_KERNEL) {
-                a = (uintptr_t)op->src;
-            } else {
-                continue;
-            }
-            if (a - base < len) return 1;
-        }
-    }
-    return 0;
-}
-
-static int module_slot(const Module *m) {
-    if (m == NULL) return -1;
-    for (int i = 0; i < MAX_MODULES; i++)
-        if (g_modules[i] == m) return m->magic == MODULE_MAGIC ? i : -1;
-    return -1;
-}
-
-/* A function handle from cuModuleGetFunction whose module is still loaded. */
-static int valid_function(const Function *f) {
-    for (int i = 0; i < MAX_MODULES; i++)
-        if (g_modules[i] != NULL && &g_modules[i]->function == f)
-            return f->magic == FUNCTION_MAGIC && g_modules[i]->magic == MODULE_MAGIC;
-    return 0;
-}
-
-/* `image` is NUL-terminated PTX text; it loads if it defines `.entry kvoffload_copy`. */
-EXPORT CUresult cuModuleLoadData(void **module, const void *image) {
-    ENTER();
-    NEED_CONTEXT();
-    if (module == NULL || image == NULL) LEAVE(CUDA_ERROR_INVALID_VALUE);
-    if (g_fail_module_load_code) {
-        int code = g_fail_module_load_code;
-        g_fail_module_load_code = 0;
-        if (is_sticky(code)) g_sticky = code;
-        LEAVE(code);
-    }
-    int found = 0;
-    for (const char *at = image; (at = strstr(at, KERNEL_ENTRY)) != NULL; at++) {
-        char next = at[strlen(KERNEL_ENTRY)];
-        if (!(next == '_' || next == '$' || (next >= '0' && next <= '9') ||
-              (next >= 'a' && next <= 'z') || (next >= 'A' && next <= 'Z'))) {
-            found = 1;
-            break;
-        }
-    }
-    if (!found) LEAVE(CUDA_ERROR_INVALID_IMAGE);
-    int slot = -1;
-    for (int i = 0; i < MAX_MODULES; i++)
-        if (g_modules[i] == NULL) { slot = i; break; }
-    if (slot < 0) LEAVE(CUDA_ERROR_OUT_OF_MEMORY);
-    Module *m = calloc(1, sizeof(Module));
-    if (m == NULL) LEAVE(CUDA_ERROR_OUT_OF_MEMORY);
-    m->magic = MODULE_MAGIC;
-    m->function.magic = FUNCTION_MAGIC;
-    m->function.module = m;
-    g_modules[slot] = m;
-    *module = m;
-    LEAVE(CUDA_SUCCESS);
-}
-
-EXPORT CUresult cuModuleUnload(void *hmod) {
-    ENTER();
-    int slot = module_slot(hmod);
-    if (slot < 0) LEAVE(CUDA_ERROR_INVALID_HANDLE);
-    Module *m = g_modules[slot];
-    g_modules[slot] = NULL;
-    m->magic = 0;
-    m->function.magic = 0;
-    free(m);
-    LEAVE(CUDA_SUCCESS);
-}
-
-EXPORT CUresult cuModuleGetFunction(void **hfunc, void *hmod, const char *name) {
-    ENTER();
-    if (hfunc == NULL || name == NULL) LEAVE(CUDA_ERROR_INVALID_VALUE);
-    int slot = module_slot(hmod);
-    if (slot < 0) LEAVE(CUDA_ERROR_INVALID_HANDLE);
-    if (strcmp(name, KERNEL_NAME) != 0) LEAVE(CUDA_ERROR_NOT_FOUND);
-    *hfunc = &g_modules[slot]->function;
-    LEAVE(CUDA_SUCCESS);
-}
-
-EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
-    ENTER();
-    NEED_CONTEXT();
-    if (dptr == NULL || bytes == 0) LEAVE(CUDA_ERROR_INVALID_VALUE);
-    if (g_fail_alloc_code) {
-        int code = g_fail_alloc_code;
-        g_fail_alloc_code = 0;
-        if (is_sticky(code)) g_sticky = code;
-        LEAVE(code);
-    }
-    if (g_nallocs == g_allocs_cap) {
-        int cap = g_allocs_cap ? g_allocs_cap * 2 : 16;
-        Allocation *a = realloc(g_allocs, (size_t)cap * sizeof(Allocation));
-        if (a == NULL) LEAVE(CUDA_ERROR_OUT_OF_MEMORY);
-        g_allocs = a;
-        g_allocs_cap = cap;
-    }
-    void *p = calloc(1, bytes);
-    if (p == NULL) LEAVE(CUDA_ERROR_OUT_OF_MEMORY);
-    g_allocs[g_nallocs].base = (uintptr_t)p;
-    g_allocs[g_nallocs].len = bytes;
-    g_nallocs++;
-    *dptr = (CUdeviceptr)(uintptr_t)p;
-    LEAVE(CUDA_SUCCESS);
-}
-
-/* Like the real driver, waits for work still queued on the allocation (only the ops that
- * touch it here, so a stream blocked on a user event elsewhere cannot hang it). */
-EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
-    ENTER();
-    NEED_CONTEXT();
-    for (int waited = 0;; waited++) {
-        int i;
-        for (i = 0; i < g_nallocs; i++)
-            if (g_allocs[i].base == (uintptr_t)dptr) break;
-        if (i == g_nallocs) LEAVE(CUDA_ERROR_INVALID_VALUE);
-        progress();
-        if (g_sticky) LEAVE(g_sticky);
-        if (!pending_op_touches(g_allocs[i].base, g_allocs[i].len)) {
-            free((void *)g_allocs[i].base);
-            g_allocs[i] = g_allocs[--g_nallocs];
-            LEAVE(CUDA_SUCCESS);
-        }
-        if (waited >= 5000) LEAVE(CUDA_ERROR_LAUNCH_TIMEOUT);
-        pthread_mutex_unlock(&mu);
-        sleep_ms(1);
-        pthread_mutex_lock(&mu);
-    }
-}
-
-/* The source is captured now (pageable memory: the caller may reuse it on return); the
- * destination is written in stream order. */
-EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes,
-                                     void *hStream) {
-    ENTER();
-    NEED_CONTEXT();
-    Stream *s = hStream;
-    if (!valid_stream(s)) LEAVE(CUDA_ERROR_INVALID_HANDLE);
-    if (bytes > 0 && src == NULL) LEAVE(CUDA_ERROR_INVALID_VALUE);
-    if (bytes > 0) {
-        int r = find_allocation((uintptr_t)dst);
-        if (r < 0 || (uintptr_t)dst + bytes - g_allocs[r].base > g_allocs[r].len) {
-            r = find_registration((uintptr_t)dst);
-            if (r < 0 || (uintptr_t)dst + bytes - g_regs[r].base > g_regs[r].len)
-                LEAVE(CUDA_ERROR_INVALID_VALUE);
-        }
-    }
-    if (g_fail_htod_code) {
-        int code = g_fail_htod_code;
-        g_fail_htod_code = 0;
-        if (is_sticky(code)) g_sticky = code;
-        LEAVE(code);
-    }
-    g_htod_calls++;
-    log_op("htod:%ld", (long)bytes);
-    if (bytes == 0) LEAVE(CUDA_SUCCESS);
-    void *copy = malloc(bytes);
-    if (copy == NULL) LEAVE(CUDA_ERROR_OUT_OF_MEMORY);
-    memcpy(copy, src, bytes);
-    Op op = {OP_COPY, NULL, 0, (void *)(uintptr_t)dst, copy, bytes, 1};
-    int rc = push(s, op);
-    if (rc != CUDA_SUCCESS) free(copy);
-    LEAVE(rc);
-}
-
-/* Unified addressing: a registered host pointer is its own device pointer. */
-EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *dptr, void *p, unsigned int flags) {
-    ENTER();
-    NEED_CONTEXT();
-    if (dptr == NULL || flags != 0) LEAVE(CUDA_ERROR_INVALID_VALUE);
-    if (find_registration((uintptr_t)p) < 0) LEAVE(CUDA_ERROR_INVALID_VALUE);
-    *dptr = (CUdeviceptr)(uintptr_t)p;
-    LEAVE(CUDA_SUCCESS);
-}
-
-/* kvoffload_copy(const unsigned long long *table, unsigned long long count). */
-EXPORT CUresult cuLaunchKernel(void *f, unsigned int gridDimX, unsigned int gridDimY,
-                               unsigned int gridDimZ, unsigned int blockDimX,
-                               unsigned int blockDimY, unsigned int blockDimZ,
-                               unsigned int sharedMemBytes, void *hStream, void **kernelParams,
-                               void **extra) {
-    ENTER();
-    NEED_CONTEXT();
-    Stream *s = hStream;
-    if (!valid_function(f) || !valid_stream(s)) LEAVE(CUDA_ERROR_INVALID_HANDLE);
-    if (gridDimX == 0 || gridDimY == 0 || gridDimZ == 0 || blockDimX == 0 ||
-        blockDimY == 0 || blockDimZ == 0)
-        LEAVE(CUDA_ERROR_INVALID_VALUE);
-    if (gridDimX > 0x7fffffffu || gridDimY > 65535 || gridDimZ > 65535 ||
-        (unsigned long long)blockDimX * blockDimY * blockDimZ > 1024 || blockDimZ > 64 ||
-        sharedMemBytes > 48 * 1024)
-        LEAVE(CUDA_ERROR_INVALID_VALUE);
-    if (extra != NULL || kernelParams == NULL || kernelParams[0] == NULL ||
-        kernelParams[1] == NULL)
-        LEAVE(CUDA_ERROR_INVALID_VALUE);
-    int rc = scripted_copy_failure();
-    if (rc != CUDA_SUCCESS) LEAVE(rc);
-    /* The parameter values are captured at launch; the table is read when the kernel runs. */
-    unsigned long long table = *(const unsigned long long *)kernelParams[0];
-    unsigned long long count = *(const unsigned long long *)kernelParams[1];
-    g_kernel_launches++;
-    g_last_kernel_count = (long)count;
-    g_last_kernel_grid = (int)gridDimX;
-    g_last_kernel_block = (int)blockDimX;
-    log_op("kernel:%ld", (long)count);
-    Op op = {OP_KERNEL, NULL, 0, NULL, (const void *)(uintptr_t)table, (size_t)count, 0};
-    LEAVE(push(s, op));
-}
-#endif /* NO_COPY_KERNEL */
-
 #ifndef NO_ERROR_NAME
 static const char *error_name(CUresult code) {
     switch (code) {
@@ -863,10 +525,8 @@ static const char *error_name(CUresult code) {
     case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
     case CUDA_ERROR_NO_DEVICE: return "CUDA_ERROR_NO_DEVICE";
     case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
-    case CUDA_ERROR_INVALID_IMAGE: return "CUDA_ERROR_INVALID_IMAGE";
     case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
     case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
-    case CUDA_ERROR_NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
     case CUDA_ERROR_NOT_READY: return "CUDA_ERROR_NOT_READY";
     case CUDA_ERROR_ILLEGAL_ADDRESS: return "CUDA_ERROR_ILLEGAL_ADDRESS";
     case CUDA_ERROR_LAUNCH_TIMEOUT: return "CUDA_ERROR_LAUNCH_TIMEOUT";
@@ -901,14 +561,9 @@ EXPORT void fake_set_sticky(int code) { pthread_mutex_lock(&mu); g_sticky = code
 EXPORT void fake_fail_next_query(int code) { pthread_mutex_lock(&mu); g_fail_query_code = code; pthread_mutex_unlock(&mu); }
 /* Fails the next cuEventRecord with `code`, after the job's copies were enqueued. */
 EXPORT void fake_fail_next_record(int code) { pthread_mutex_lock(&mu); g_fail_record_code = code; pthread_mutex_unlock(&mu); }
-/* Fail the next cuModuleLoadData / cuMemAlloc_v2 / cuMemcpyHtoDAsync_v2 with `code` (a
- * sticky code also poisons the context). */
-EXPORT void fake_fail_module_load(int code) { pthread_mutex_lock(&mu); g_fail_module_load_code = code; pthread_mutex_unlock(&mu); }
-EXPORT void fake_fail_next_alloc(int code) { pthread_mutex_lock(&mu); g_fail_alloc_code = code; pthread_mutex_unlock(&mu); }
-EXPORT void fake_fail_next_htod(int code) { pthread_mutex_lock(&mu); g_fail_htod_code = code; pthread_mutex_unlock(&mu); }
 
-/* Fails the copy call number `index` (counting from 0 over cuMemcpyAsync, batch and
- * cuLaunchKernel calls made from now on) with `code`. */
+/* Fails the copy call number `index` (counting from 0 over cuMemcpyAsync and batch calls
+ * made from now on) with `code`. */
 EXPORT void fake_fail_copy_at(long index, int code) {
     pthread_mutex_lock(&mu);
     g_fail_copy_at = g_copy_calls + index;
@@ -928,26 +583,11 @@ GETTER(long, fake_last_batch_count, g_last_batch_count)
 GETTER(int, fake_last_batch_src_order, (int)g_last_batch_order)
 GETTER(int, fake_last_stream_flags, g_last_stream_flags)
 GETTER(int, fake_last_stream_priority, g_last_stream_priority)
-GETTER(int, fake_last_register_flags, g_last_register_flags)
-GETTER(int, fake_live_allocations, g_nallocs)
-GETTER(long, fake_htod_calls, g_htod_calls)
-GETTER(long, fake_kernel_launches, g_kernel_launches)
-GETTER(long, fake_last_kernel_count, g_last_kernel_count)
-GETTER(int, fake_last_kernel_grid, g_last_kernel_grid)
-GETTER(int, fake_last_kernel_block, g_last_kernel_block)
 
 EXPORT int fake_live_streams(void) {
     pthread_mutex_lock(&mu);
     int n = 0;
     for (int i = 0; i < MAX_STREAMS; i++) n += g_streams[i] != NULL;
-    pthread_mutex_unlock(&mu);
-    return n;
-}
-
-EXPORT int fake_live_modules(void) {
-    pthread_mutex_lock(&mu);
-    int n = 0;
-    for (int i = 0; i < MAX_MODULES; i++) n += g_modules[i] != NULL;
     pthread_mutex_unlock(&mu);
     return n;
 }

@@ -11,11 +11,7 @@ use super::super::cuda_sys::{self as sys, CUresult};
 use super::super::{BackendError, CopyBackend, CopyRun, Direction, Ticket};
 use super::driver::{Api, CudaDriver};
 use super::enqueue::{build_descriptors, Descriptor};
-use super::kernel::{CopyKernel, Table};
-use super::{
-    version_text, BatchApi, CopyPath, CudaError, AUTO_KERNEL_BELOW_BYTES, DEFAULT_PIN_CHUNK_BYTES,
-    PIN_CHUNK_ALIGN,
-};
+use super::{version_text, BatchApi, CudaError, DEFAULT_PIN_CHUNK_BYTES, PIN_CHUNK_ALIGN};
 
 /// Settings of a [`CudaCopyBackend`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,8 +25,6 @@ pub struct CudaOptions {
     /// Most bytes pinned by one `cuMemHostRegister` call; a multiple of
     /// [`PIN_CHUNK_ALIGN`]. Copies never cross a chunk boundary on the host side.
     pub pin_chunk_bytes: usize,
-    /// Copy engines, copy kernel, or each where it is faster (see [`CopyPath`]).
-    pub copy_path: CopyPath,
 }
 
 impl Default for CudaOptions {
@@ -39,7 +33,6 @@ impl Default for CudaOptions {
             device: 0,
             allow_batch: true,
             pin_chunk_bytes: DEFAULT_PIN_CHUNK_BYTES,
-            copy_path: CopyPath::Dma,
         }
     }
 }
@@ -51,7 +44,7 @@ impl Default for CudaOptions {
 pub(super) struct Handle(usize);
 
 impl Handle {
-    pub(super) fn from_ptr(p: *mut c_void) -> Self {
+    fn from_ptr(p: *mut c_void) -> Self {
         Self(p as usize)
     }
 
@@ -78,8 +71,6 @@ struct InFlight {
     /// A copy failed after part of the job was enqueued: report it once the stream has
     /// finished with the job's memory.
     deferred: Option<BackendError>,
-    /// The copy kernel's run table, in use until the event fired.
-    table: Option<Table>,
 }
 
 /// A [`CopyBackend`] over the CUDA driver. See the [module docs](super).
@@ -93,8 +84,6 @@ pub struct CudaCopyBackend {
     /// `(base, len)` of the engine's host memory, once attached.
     host: Option<(u64, usize)>,
     in_flight: HashMap<u64, InFlight>,
-    /// The copy kernel, once attached, unless the options or the driver rule it out.
-    kernel: Option<CopyKernel>,
     free_events: Vec<Handle>,
     /// The event the next `submit` waits for (see `wait_event`).
     pending_wait: Option<Handle>,
@@ -141,7 +130,6 @@ impl CudaCopyBackend {
             attached: Attached::default(),
             host: None,
             in_flight: HashMap::new(),
-            kernel: None,
             free_events: Vec::new(),
             pending_wait: None,
             next_ticket: 0,
@@ -160,11 +148,6 @@ impl CudaCopyBackend {
     /// The copy path jobs use.
     pub fn batch_api(&self) -> BatchApi {
         self.batch
-    }
-
-    /// Whether jobs may go to the copy kernel (known once attached).
-    pub fn kernel_loaded(&self) -> bool {
-        self.kernel.is_some()
     }
 
     /// The driver.
@@ -234,20 +217,8 @@ impl CudaCopyBackend {
             created.push(Handle::from_ptr(stream));
         }
         self.attached.streams = Some([created[0], created[1]]);
-        if self.options.copy_path != CopyPath::Dma {
-            match CopyKernel::load(&self.driver) {
-                Ok(kernel) => self.kernel = Some(kernel),
-                Err(err) => self.kernel_unusable(err.to_string())?,
-            }
-        }
 
         let started = Instant::now();
-        // Mapped into the device's address space only where the copy kernel will touch it.
-        let flags = if self.kernel.is_some() {
-            sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP
-        } else {
-            sys::CU_MEMHOSTREGISTER_PORTABLE
-        };
         let chunk = self.options.pin_chunk_bytes;
         let mut offset = 0usize;
         while offset < host_len {
@@ -255,7 +226,13 @@ impl CudaCopyBackend {
             let base = host_base.wrapping_add(offset as u64);
             // SAFETY: `base..base+len` lies inside the engine's host mapping (`attach`'s
             // contract), which outlives this backend; registration only pins the pages.
-            let rc = unsafe { (api.mem_host_register)(base as usize as *mut c_void, len, flags) };
+            let rc = unsafe {
+                (api.mem_host_register)(
+                    base as usize as *mut c_void,
+                    len,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                )
+            };
             self.check(
                 &format!(
                     "cuMemHostRegister(bytes {offset}..{} of {host_len})",
@@ -267,14 +244,6 @@ impl CudaCopyBackend {
             offset += len;
         }
         self.host = Some((host_base, host_len));
-        if self.kernel.is_some() {
-            if let Err(why) = self.check_host_mapping() {
-                if let Some(mut kernel) = self.kernel.take() {
-                    kernel.release(&self.driver);
-                }
-                self.kernel_unusable(why)?;
-            }
-        }
         log::info!(
             "kvoffload: pinned {:.2} GiB of host memory in {} chunk(s) in {:.2} s; {}",
             host_len as f64 / f64::from(1u32 << 30),
@@ -283,60 +252,6 @@ impl CudaCopyBackend {
             self.describe()
         );
         Ok(())
-    }
-
-    /// The copy kernel cannot be used: an error with [`CopyPath::Kernel`], else said once
-    /// (every job then goes to the copy engines).
-    fn kernel_unusable(&self, why: String) -> Result<(), CudaError> {
-        if self.options.copy_path == CopyPath::Kernel {
-            return Err(CudaError::KernelUnavailable { reason: why });
-        }
-        log::info!(
-            "kvoffload: the copy kernel is unavailable ({why}); copying with the copy engines"
-        );
-        Ok(())
-    }
-
-    /// The kernel addresses host memory by its host address (unified addressing): check that
-    /// the device sees every pinned chunk there.
-    fn check_host_mapping(&self) -> Result<(), String> {
-        let Some(get) = self.api().mem_host_get_device_pointer else {
-            return Err("the driver lacks cuMemHostGetDevicePointer_v2".into());
-        };
-        for &(base, len) in &self.attached.pinned {
-            let mut device: sys::CUdeviceptr = 0;
-            // SAFETY: `base` starts a range registered above; `device` is a valid out-pointer.
-            let rc = unsafe { get(&mut device, base as usize as *mut c_void, 0) };
-            self.check("cuMemHostGetDevicePointer", rc)
-                .map_err(|e| e.to_string())?;
-            if device != base {
-                return Err(format!(
-                    "{len} bytes of host memory at {base:#x} are mapped at {device:#x} on the device"
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether the job in `self.descriptors` goes to the copy kernel.
-    fn job_uses_kernel(&self) -> bool {
-        if self.kernel.is_none() || self.descriptors.is_empty() {
-            return false;
-        }
-        match self.options.copy_path {
-            CopyPath::Kernel => true,
-            CopyPath::Dma => false,
-            CopyPath::Auto => {
-                let bytes: usize = self.descriptors.iter().map(|d| d.len).sum();
-                bytes < AUTO_KERNEL_BELOW_BYTES.saturating_mul(self.descriptors.len())
-            }
-        }
-    }
-
-    fn recycle(&mut self, table: Option<Table>) {
-        if let (Some(table), Some(kernel)) = (table, self.kernel.as_mut()) {
-            kernel.recycle(&self.driver, table);
-        }
     }
 
     fn take_event(&mut self) -> Result<Handle, CudaError> {
@@ -394,16 +309,8 @@ impl CopyBackend for CudaCopyBackend {
     }
 
     fn describe(&self) -> String {
-        let kernel = match (self.kernel.is_some(), self.options.copy_path) {
-            (false, _) => String::new(),
-            (true, CopyPath::Kernel) => ", copy kernel for every job".to_owned(),
-            (true, _) => format!(
-                ", copy kernel for runs under {} KiB",
-                AUTO_KERNEL_BELOW_BYTES >> 10
-            ),
-        };
         format!(
-            "cuda (driver {}, device {}, {}{kernel})",
+            "cuda (driver {}, device {}, {})",
             version_text(self.driver.version()),
             self.options.device,
             self.batch.symbol()
@@ -452,22 +359,8 @@ impl CopyBackend for CudaCopyBackend {
         let mut descriptors = std::mem::take(&mut self.descriptors);
         build_descriptors(runs, direction, host, &mut descriptors);
         self.descriptors = descriptors;
-        let mut table = None;
         let copied = if self.descriptors.is_empty() {
             Ok(())
-        } else if let (true, Some(kernel)) = (self.job_uses_kernel(), self.kernel.as_mut()) {
-            // SAFETY: as below; the host side lies in our pinned memory, which `attach`
-            // registered with DEVICEMAP and checked is mapped at the same addresses.
-            match unsafe { kernel.enqueue(&self.driver, stream, &self.descriptors) } {
-                Ok(t) => {
-                    table = Some(t);
-                    Ok(())
-                }
-                Err((err, t)) => {
-                    table = t;
-                    Err(err)
-                }
-            }
         } else {
             // SAFETY: the descriptors cover exactly the bytes of `runs`, for which our caller
             // upholds `submit`'s contract.
@@ -482,15 +375,6 @@ impl CopyBackend for CudaCopyBackend {
             Err(err) if err.is_sticky() => {
                 return Err(self.drain_before_failing(stream, enqueued, err.into()));
             }
-            // The kernel launch is all or nothing: nothing of the job was copied, and the
-            // table is free once the stream drained.
-            Err(err) if table.is_some() => {
-                let err = self.drain_before_failing(stream, enqueued, err.into());
-                if !err.is_fatal() {
-                    self.recycle(table);
-                }
-                return Err(err);
-            }
             // A copy after the first failed: record the event anyway and report the error
             // once it fired, without blocking the copy thread.
             Err(err) => Some(BackendError::from(err)),
@@ -499,11 +383,7 @@ impl CopyBackend for CudaCopyBackend {
             Ok(event) => event,
             Err(err) => {
                 let err = deferred.unwrap_or_else(|| err.into());
-                let err = self.drain_before_failing(stream, enqueued, err);
-                if !err.is_fatal() {
-                    self.recycle(table);
-                }
-                return Err(err);
+                return Err(self.drain_before_failing(stream, enqueued, err));
             }
         };
         // SAFETY: both handles are ours and alive.
@@ -511,11 +391,7 @@ impl CopyBackend for CudaCopyBackend {
         if let Err(err) = self.check("cuEventRecord", rc) {
             self.destroy_event(event);
             let err = deferred.unwrap_or_else(|| err.into());
-            let err = self.drain_before_failing(stream, enqueued, err);
-            if !err.is_fatal() {
-                self.recycle(table);
-            }
-            return Err(err);
+            return Err(self.drain_before_failing(stream, enqueued, err));
         }
         let ticket = self.next_ticket;
         self.next_ticket = self.next_ticket.wrapping_add(1);
@@ -525,7 +401,6 @@ impl CopyBackend for CudaCopyBackend {
                 event,
                 stream,
                 deferred,
-                table,
             },
         );
         Ok(Ticket(ticket))
@@ -544,11 +419,7 @@ impl CopyBackend for CudaCopyBackend {
         match rc {
             sys::CUDA_ERROR_NOT_READY => Ok(false),
             sys::CUDA_SUCCESS => {
-                let (deferred, table) = match self.in_flight.remove(&ticket.0) {
-                    Some(job) => (job.deferred, job.table),
-                    None => (None, None),
-                };
-                self.recycle(table);
+                let deferred = self.in_flight.remove(&ticket.0).and_then(|j| j.deferred);
                 self.free_events.push(event);
                 match deferred {
                     Some(err) => Err(err),
@@ -556,15 +427,11 @@ impl CopyBackend for CudaCopyBackend {
                 }
             }
             code => {
-                let table = self.in_flight.remove(&ticket.0).and_then(|j| j.table);
+                self.in_flight.remove(&ticket.0);
                 self.destroy_event(event);
                 let err = self.driver.error("cuEventQuery".into(), code).into();
                 // The query failing says nothing about the copies: they may still run.
-                let err = self.drain_before_failing(stream, true, err);
-                if !err.is_fatal() {
-                    self.recycle(table);
-                }
-                Err(err)
+                Err(self.drain_before_failing(stream, true, err))
             }
         }
     }
@@ -594,10 +461,6 @@ impl Drop for CudaCopyBackend {
             for stream in streams {
                 self.destroy_stream(stream);
             }
-        }
-        // After the streams drained: no launch can still read a table.
-        if let Some(mut kernel) = self.kernel.take() {
-            kernel.release(&self.driver);
         }
         for (base, len) in std::mem::take(&mut self.attached.pinned) {
             // SAFETY: `base` is the start of a range we registered and have not unregistered.

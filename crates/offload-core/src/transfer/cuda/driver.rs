@@ -35,14 +35,6 @@ pub(super) struct Api {
     pub(super) get_error_string: Option<sys::cuGetErrorString_t>,
     pub(super) memcpy_batch_v1: Option<sys::cuMemcpyBatchAsync_v1_t>,
     pub(super) memcpy_batch_v2: Option<sys::cuMemcpyBatchAsync_v2_t>,
-    pub(super) module_load_data: Option<sys::cuModuleLoadData_t>,
-    pub(super) module_unload: Option<sys::cuModuleUnload_t>,
-    pub(super) module_get_function: Option<sys::cuModuleGetFunction_t>,
-    pub(super) launch_kernel: Option<sys::cuLaunchKernel_t>,
-    pub(super) mem_alloc: Option<sys::cuMemAlloc_t>,
-    pub(super) mem_free: Option<sys::cuMemFree_t>,
-    pub(super) memcpy_htod_async: Option<sys::cuMemcpyHtoDAsync_t>,
-    pub(super) mem_host_get_device_pointer: Option<sys::cuMemHostGetDevicePointer_t>,
 }
 
 /// Resolves `name` from `lib` as a `T`, or `None` when the library does not export it.
@@ -180,14 +172,6 @@ impl CudaDriver {
                 ctx_get_stream_priority_range = "cuCtxGetStreamPriorityRange",
                 memcpy_batch_v1 = "cuMemcpyBatchAsync",
                 memcpy_batch_v2 = "cuMemcpyBatchAsync_v2",
-                module_load_data = "cuModuleLoadData",
-                module_unload = "cuModuleUnload",
-                module_get_function = "cuModuleGetFunction",
-                launch_kernel = "cuLaunchKernel",
-                mem_alloc = "cuMemAlloc_v2",
-                mem_free = "cuMemFree_v2",
-                memcpy_htod_async = "cuMemcpyHtoDAsync_v2",
-                mem_host_get_device_pointer = "cuMemHostGetDevicePointer_v2",
             }
         };
         let batch = choose_batch_api(

@@ -7,8 +7,7 @@
 //! or the driver is older than [`MIN_DRIVER_VERSION`]. The driver version also picks the copy
 //! path ([`BatchApi`]): `cuMemcpyBatchAsync` calls of at most [`MAX_BATCH_COPIES`] copies
 //! when the driver has it (CUDA 12.8 and 13.x export it with different signatures), else a
-//! loop of `cuMemcpyAsync`. With [`CopyPath::Kernel`] or [`CopyPath::Auto`], jobs of many
-//! small runs go to kvoffload's copy kernel instead (SMs rather than copy engines).
+//! loop of `cuMemcpyAsync`.
 //!
 //! [`CudaCopyBackend`] runs on the engine's copy thread. Its `attach` retains the device's
 //! primary context (the one PyTorch uses), makes it current on the copy thread, creates two
@@ -25,7 +24,6 @@
 mod backend;
 mod driver;
 mod enqueue;
-mod kernel;
 
 use super::cuda_sys as sys;
 use super::BackendError;
@@ -49,70 +47,6 @@ pub const BATCH_V1_MIN_VERSION: i32 = 12080;
 /// First driver with the CUDA 13 `cuMemcpyBatchAsync` (8 parameters, no `failIdx`),
 /// exported as `cuMemcpyBatchAsync_v2`.
 pub const BATCH_V2_MIN_VERSION: i32 = 13000;
-
-/// [`CopyPath::Auto`] gives a job to the copy kernel when its runs average fewer bytes than
-/// this: below it the copy engines' fixed cost per copy keeps them well under PCIe's
-/// bandwidth, above it they reach it without the kernel's cost to compute.
-pub const AUTO_KERNEL_BELOW_BYTES: usize = 256 << 10;
-
-/// Which hardware copies a job: the GPU's copy engines (DMA) or kvoffload's copy kernel
-/// (SMs). The copy engines are the default: they leave compute alone. The kernel copies
-/// jobs of many small runs (vLLM's per-layer layout) much faster, but its loads and stores
-/// across PCIe take SM time and memory bandwidth from the model; `docs/gpu_check.md` has
-/// both measured. With the block-contiguous layout kvoffload asks vLLM for, the copy
-/// engines already run at PCIe's bandwidth.
-///
-/// ```
-/// use offload_core::transfer::CopyPath;
-///
-/// assert_eq!("kernel".parse::<CopyPath>().unwrap(), CopyPath::Kernel);
-/// assert_eq!(CopyPath::default(), CopyPath::Dma);
-/// let err = "dmaa".parse::<CopyPath>().unwrap_err();
-/// assert!(err.to_string().contains("\"dmaa\""));
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-#[non_exhaustive]
-pub enum CopyPath {
-    /// The copy engines for every job: no SM is ever used.
-    #[default]
-    Dma,
-    /// The copy kernel for jobs whose runs average under [`AUTO_KERNEL_BELOW_BYTES`] (many
-    /// small runs, where the copy engines' cost per copy dominates), the copy engines for
-    /// the rest. Where the kernel cannot be used (a driver without the functions, host
-    /// memory the device does not see at its host address) every job goes to the copy
-    /// engines, said once in the log.
-    Auto,
-    /// The copy kernel for every job; attaching fails when it cannot be used.
-    Kernel,
-}
-
-impl CopyPath {
-    /// The name [`FromStr`](std::str::FromStr) accepts.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Auto => "auto",
-            Self::Dma => "dma",
-            Self::Kernel => "kernel",
-        }
-    }
-}
-
-impl std::str::FromStr for CopyPath {
-    type Err = CudaError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "dma" => Ok(Self::Dma),
-            "kernel" => Ok(Self::Kernel),
-            other => Err(CudaError::InvalidOption {
-                field: "copy_path",
-                value: format!("{other:?}"),
-                reason: "must be \"auto\", \"dma\" or \"kernel\"",
-            }),
-        }
-    }
-}
 
 /// Most copies handed to one `cuMemcpyBatchAsync` call. The driver spends CPU time on every
 /// copy before the call returns, and the copy engines start only then: smaller calls let
@@ -173,16 +107,6 @@ pub enum CudaError {
         name: String,
         /// Its description from `cuGetErrorString`.
         description: String,
-    },
-    /// [`CopyPath::Kernel`] was asked for, but the copy kernel cannot be used here.
-    #[error(
-        "the copy kernel cannot be used: {reason} (copy_path \"kernel\" needs it; \"auto\" \
-         falls back to the copy engines)"
-    )]
-    KernelUnavailable {
-        /// Why: a missing driver function, a failed load, or host memory the device does
-        /// not see at its host address.
-        reason: String,
     },
     /// A [`CudaOptions`] value is invalid.
     #[error("invalid CUDA option {field} = {value}: {reason}")]
