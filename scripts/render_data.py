@@ -127,6 +127,8 @@ GOALS = {
     "find_pin_us": 7.6,  # kvoffload find + pin of a 128-block prefix through Python
     "lookups_m_per_s": 20.0,  # Rust index lookups per second per core, millions
     "noreuse_overhead": 0.02,  # time inside kvoffload / rest of a pass when nothing repeats
+    "gpu_copy_share": 0.90,  # kvoffload's GPU<->CPU GB/s / one large pinned copy's, 16-token blocks
+    "gpu_decode_slowdown": 0.10,  # a decode step's slowdown while kvoffload copies
 }
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Renders every figure in README.md and benches/README.md from the committed raw results.
+"""Renders every figure in README.md, benches/README.md and docs/gpu_check.md from the
+committed raw results.
 
 Each generated part of a document sits between
 
@@ -7,7 +8,8 @@ Each generated part of a document sits between
     <!-- END GENERATED: name -->
 
 and is rewritten from the data under docs/ (the demo's docs/demo.json, the Python
-benchmarks' docs/benchmarks/*.json, the criterion logs docs/benchmarks/cargo_bench_*.txt).
+benchmarks' docs/benchmarks/*.json, the criterion logs docs/benchmarks/cargo_bench_*.txt,
+the GPU check's docs/benchmarks/gpu_check.json).
 Text outside the markers is left alone. tests/test_docs.py checks that the committed
 documents equal what this script renders, so a figure cannot drift from its source.
 
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-DOCUMENTS = ("README.md", "benches/README.md")
+DOCUMENTS = ("README.md", "benches/README.md", "docs/gpu_check.md")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_report import overhead, summarize, table  # noqa: E402
@@ -46,6 +48,7 @@ from render_data import (  # noqa: E402
     sig,
     us,
 )
+from render_gpu import gpu_line, gpu_results, gpu_summary  # noqa: E402
 from render_scheduler import scheduler_breakdown, scheduler_table  # noqa: E402
 
 MARKER = re.compile(
@@ -146,6 +149,7 @@ def performance() -> str:
                 f"{sig(bench('index', 'index/insert/fill/48505', 'M ops/s'))} M/s, pin + unpin "
                 f"{sig(bench('index', 'cache/pin_unpin/block/48505', 'M ops/s'))} M/s, evict + "
                 f"insert {sig(bench('index', evict, 'M ops/s'))} M/s.",
+                gpu_line(),
             ]
         )
         + "\n"
@@ -213,6 +217,8 @@ def bench_machine() -> str:
 
 region("scheduler")(scheduler_table)
 region("scheduler-breakdown")(scheduler_breakdown)
+region("gpu")(gpu_results)
+region("gpu-summary")(gpu_summary)
 
 
 @region("index")
