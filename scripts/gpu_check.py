@@ -17,12 +17,14 @@ head size 128, bf16, 16-token blocks: 2 MiB per block id) in vLLM's per-layer la
 2. measures store (GPU -> CPU) and load (CPU -> GPU) GB/s at 1, 16, 256 and 4096 scattered
    blocks, against one large pinned ``cudaMemcpyAsync`` of the same bytes and a per-block
    ``torch`` ``copy_(non_blocking=True)`` loop, with CPU microseconds per block to submit;
-3. measures how much a matmul loop on the compute stream slows down while the engine
-   copies.
+3. times a 16-block load submitted behind 12 stores of 256 blocks (lanes);
+4. measures how much a decode proxy (memory-bound, replayed from a CUDA graph) and a matmul
+   loop on the compute stream slow down while the engine stores and loads back to back.
 
-It prints a Markdown table (paste it into the README with the date and GPU) and writes
-every number to ``--out`` as JSON. Exit status: 0 ok, 1 byte mismatch or engine error,
-2 no usable GPU or extension.
+It prints a table and the lane, decode and matmul lines, and writes every number to
+``--out`` as JSON after every stage; ``scripts/render_docs.py`` renders the committed copy
+(docs/benchmarks/gpu_check.json) into docs/gpu_check.md and the README. Exit status: 0 ok,
+1 byte mismatch or engine error, 2 no usable GPU or extension.
 """
 
 from __future__ import annotations
