@@ -46,7 +46,7 @@ KNOWN_COPIES = {
         "the GPU's copy engines (`cuMemcpyBatchAsync`, no SMs used: kvoffload's copy path)",
     ),
     "kernel": (
-        "copy kernel (measured by 6a161cc, since dropped)",
+        "dropped copy kernel",
         "with",
         "an SM copy kernel (a few thread blocks stream the job's runs between device memory "
         "and mapped pinned host memory), measured by commit 6a161cc and dropped since: "
@@ -139,30 +139,8 @@ def _info(d: Fields, config: Config) -> Fields | None:
     return _entry(d, "layouts", config)
 
 
-def _row_configs(d: Fields) -> list[Config]:
-    """The configuration of each entry of ``rows``: its ``layout`` and ``copy``.
-
-    Fallback for files whose rows lack ``copy`` (a gpu_check.py bug, since fixed): their
-    rows come in configuration order, one per ``meta["sizes"]`` entry, so the n-th group of
-    that many rows belongs to the n-th entry of ``layouts``."""
-    n, configs = len(d["meta"]["sizes"]), [_config(info) for info in d["layouts"]]
-    out = []
-    for i, r in enumerate(_list(d, "rows")):
-        copy = r.get("copy")
-        if copy is None:
-            if i // n >= len(configs) or configs[i // n][0] != r["layout"]:
-                raise RenderError(
-                    f"docs/{SOURCE}: rows[{i}] has no 'copy' and is not where the "
-                    "configuration order of layouts puts a row of its layout"
-                )
-            out.append(configs[i // n])
-        else:
-            out.append((r["layout"], copy))
-    return out
-
-
 def _rows(d: Fields, config: Config) -> list[Fields]:
-    return [r for r, c in zip(d["rows"], _row_configs(d), strict=True) if c == config]
+    return [r for r in _list(d, "rows") if _config(r) == config]
 
 
 def _row(d: Fields, config: Config, blocks: int) -> Fields:
@@ -344,11 +322,9 @@ def _table(d: Fields, config: Config) -> str:
     return "\n".join(rows)
 
 
-def _lanes_line(e: Fields | None) -> str:
-    if e is None:
-        return "Lanes: not measured in this run."
+def _lanes_text(e: Fields) -> str:
     return (
-        f"Lanes: a {e['load_blocks']}-block load took {sig(e['load_alone_ms'])} ms alone and "
+        f"a {e['load_blocks']}-block load took {sig(e['load_alone_ms'])} ms alone and "
         f"{sig(e['load_behind_stores_ms'])} ms behind {e['stores']} stores of "
         f"{e['store_blocks']} blocks (all done after {sig(e['stores_done_ms'])} ms); "
         f"{e['stores_pending_at_load']} of the {e['stores']} stores were still pending when it "
@@ -356,25 +332,34 @@ def _lanes_line(e: Fields | None) -> str:
     )
 
 
-def _decode_line(e: Fields | None) -> str:
-    if e is None:
-        return "Decode proxy: not measured in this run."
+def _decode_text(e: Fields) -> str:
     return (
-        f"Decode proxy: {sig(e['step_ms'])} ms per step alone ({sig(e['weight_gbps'])} GB/s of "
-        f"weights), {_change(e['slowdown_pct'])} while kvoffload stored and loaded "
+        f"{sig(e['step_ms'])} ms per step alone ({sig(e['weight_gbps'])} GB/s of weights), "
+        f"{_change(e['slowdown_pct'])} while kvoffload stored and loaded "
         f"{e['blocks_per_job']}-block jobs back to back at {sig(e['copy_gbps_during'])} GB/s."
     )
 
 
-def _matmul_line(e: Fields | None) -> str:
-    if e is None:
-        return "Matmul loop: not measured in this run."
+def _matmul_text(e: Fields) -> str:
     return (
-        f"Matmul loop ({e['matmul_size']}³ bf16, {e['iterations']:,} iterations on the "
-        f"compute stream): {e['alone_s']:.3f} s alone ({sig(e['alone_tflops'])} TFLOP/s), "
+        f"{e['alone_s']:.3f} s alone ({e['matmul_size']}³ bf16, {e['iterations']:,} "
+        f"iterations on the compute stream, {sig(e['alone_tflops'])} TFLOP/s), "
         f"{_change(e['slowdown_pct'])} while kvoffload stored and loaded "
         f"{e['blocks_per_job']:,}-block jobs at {sig(e['copy_gbps_during'])} GB/s."
     )
+
+
+#: The per-configuration checks after the table: (JSON key, label, how an entry reads).
+CHECK_LINES = (
+    ("lanes", "Lanes", _lanes_text),
+    ("decode", "Decode proxy", _decode_text),
+    ("matmul", "Matmul loop", _matmul_text),
+)
+
+
+def _check_line(d: Fields, config: Config, key: str, label: str, text: Any) -> str:
+    e = _entry(d, key, config)
+    return f"- {label}: " + ("not measured in this run." if e is None else text(e))
 
 
 def _copy_description(copy: str) -> str:
@@ -399,9 +384,7 @@ def _section(d: Fields, info: Fields) -> str:
             "",
             _table(d, config),
             "",
-            f"- {_lanes_line(_entry(d, 'lanes', config))}",
-            f"- {_decode_line(_entry(d, 'decode', config))}",
-            f"- {_matmul_line(_entry(d, 'matmul', config))}",
+            *(_check_line(d, config, *check) for check in CHECK_LINES),
         ]
     )
 

@@ -15,7 +15,8 @@ pub(super) struct Descriptor {
 
 impl CudaCopyBackend {
     /// Enqueues the copies in `self.descriptors` on `stream`: batch calls of at most
-    /// [`MAX_BATCH_COPIES`], or one `cuMemcpyAsync` each. On failure, copies before the failing one may be enqueued.
+    /// [`MAX_BATCH_COPIES`], or one `cuMemcpyAsync` each. On failure, copies before the
+    /// failing one may be enqueued.
     ///
     /// # Safety
     ///
