@@ -65,8 +65,11 @@ log "installing dev tools from requirements/dev.txt"
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
     if [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null; then
         log "installing redis-server (apt-get)"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+        # A fresh machine may still be running its boot-time package jobs: wait for the
+        # dpkg lock instead of failing on it.
+        apt_get=(apt-get -o DPkg::Lock::Timeout=600)
+        "${apt_get[@]}" update -qq
+        DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -qq redis-server >/dev/null
     else
         log "warning: redis-server missing and not root with apt-get; remote tier tests will fail"
     fi
