@@ -237,9 +237,10 @@ HOOKS_NAME = "free_queue_hooks"
 def walker_install(pool: Any) -> None:
     """kvoffload's lazy walker on ``pool``, its cursor mid-queue (as during a replay, where
     the hooks' cursor checks then read a node)."""
+    from kvoffload._native import Planner
     from kvoffload.vllm_adapter import FreeQueueWalker
 
-    FreeQueueWalker(pool).candidates(pool.num_gpu_blocks // 2)
+    FreeQueueWalker(pool).candidates(pool.num_gpu_blocks // 2, Planner(BLOCK_SIZE, 1, lazy=True))
 
 
 class QueueHooks:

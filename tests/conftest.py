@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from sched_harness import model_config_dir
 
     return model_config_dir(tmp_path_factory.mktemp("tiny_llama_config"))
+
+
+@pytest.fixture
+def lazy_planner() -> Any:
+    """A lazy planner with an empty CPU tier: the free-queue walk it does for
+    ``FreeQueueWalker.candidates`` drops no block as already stored."""
+    from kvoffload._native import Planner
+
+    return Planner(16, 1024, lazy=True)
 
 
 @pytest.fixture(scope="session")

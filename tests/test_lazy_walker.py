@@ -13,20 +13,22 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 
-from kvoffload.vllm_adapter import FreeQueueWalker, GpuBlockHolder
+from kvoffload._native import Planner
+from kvoffload.vllm_adapter import GROUP_ID_BYTES, FreeQueueWalker, GpuBlockHolder
 
 NUM_BLOCKS = 24
 
 
 class Hashes:
-    """Fresh block hashes, as vLLM gives a block when it caches it."""
+    """Fresh block hashes, as vLLM gives a block when it caches it (distinct in their
+    first 16 bytes, the planner's key)."""
 
     def __init__(self) -> None:
         self._n = 0
 
     def give(self, block: KVCacheBlock) -> None:
         self._n += 1
-        block.set_block_hash(make_block_hash_with_group_id(self._n.to_bytes(32, "big"), 0))
+        block.set_block_hash(make_block_hash_with_group_id(self._n.to_bytes(32, "little"), 0))
 
 
 def cached_free_blocks(pool: BlockPool) -> list[int]:
@@ -34,8 +36,8 @@ def cached_free_blocks(pool: BlockPool) -> list[int]:
     return [b.block_id for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash]
 
 
-def offer_all(walker: FreeQueueWalker) -> list[int]:
-    walked = walker.candidates(limit=10 * NUM_BLOCKS)
+def offer_all(walker: FreeQueueWalker, planner: Planner) -> list[int]:
+    walked = walker.candidates(10 * NUM_BLOCKS, planner)
     return walked[0] if walked is not None else []
 
 
@@ -47,33 +49,33 @@ def freed_cached_blocks(pool: BlockPool, hashes: Hashes, n: int) -> list[KVCache
     return blocks
 
 
-def test_block_held_and_released_before_the_next_walk_skips_nothing() -> None:
+def test_block_held_and_released_before_the_next_walk_skips_nothing(lazy_planner: Planner) -> None:
     pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
     walker = FreeQueueWalker(pool)
     first = freed_cached_blocks(pool, hashes, 3)
-    assert offer_all(walker) == [b.block_id for b in first]
+    assert offer_all(walker, lazy_planner) == [b.block_id for b in first]
     # A lazy store holds the last block offered (the cursor), then more blocks are freed
     # behind it, then the store completes: the block rejoins the queue where it was,
     # examined, and every block freed meanwhile is still offered.
     walker.hold([first[-1].block_id])
     later = freed_cached_blocks(pool, hashes, 4)
     walker.release([first[-1].block_id])
-    assert offer_all(walker) == [b.block_id for b in later]
-    assert offer_all(walker) == []
+    assert offer_all(walker, lazy_planner) == [b.block_id for b in later]
+    assert offer_all(walker, lazy_planner) == []
 
 
-def test_cursor_taken_by_a_prefix_hit_and_freed_again_skips_nothing() -> None:
+def test_cursor_taken_by_a_prefix_hit_and_freed_again_skips_nothing(lazy_planner: Planner) -> None:
     pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
     walker = FreeQueueWalker(pool)
     first = freed_cached_blocks(pool, hashes, 3)
-    assert offer_all(walker) == [b.block_id for b in first]
+    assert offer_all(walker, lazy_planner) == [b.block_id for b in first]
     later = freed_cached_blocks(pool, hashes, 2)
     pool.touch([first[-1]])  # another request hits the cursor block...
     pool.free_blocks([first[-1]])  # ...and finishes before the next walk
-    assert offer_all(walker) == [b.block_id for b in later] + [first[-1].block_id]
+    assert offer_all(walker, lazy_planner) == [b.block_id for b in later] + [first[-1].block_id]
 
 
-def test_cursor_reallocated_restarts_from_the_head() -> None:
+def test_cursor_reallocated_restarts_from_the_head(lazy_planner: Planner) -> None:
     pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
     walker = FreeQueueWalker(pool)
     # Allocation takes never-used blocks first: use them up, then cache three blocks.
@@ -82,18 +84,20 @@ def test_cursor_reallocated_restarts_from_the_head() -> None:
     for b in cached:
         hashes.give(b)
     pool.free_blocks(cached)
-    assert walker.candidates(limit=2)[0] == [b.block_id for b in cached[:2]]
+    assert walker.candidates(2, lazy_planner)[0] == [b.block_id for b in cached[:2]]
     # The cursor (second block) is reallocated, loses its hash, gets a new one and is
     # freed again: the block after it was never offered, the block itself is new.
     taken = pool.get_new_blocks(2)
     assert taken == cached[:2]
     hashes.give(taken[1])
     pool.free_blocks([taken[1]])
-    assert offer_all(walker) == [cached[2].block_id, taken[1].block_id]
+    assert offer_all(walker, lazy_planner) == [cached[2].block_id, taken[1].block_id]
     pool.free_blocks([taken[0], *spare])
 
 
-def test_blocks_joining_one_at_a_time_or_after_a_partial_walk_are_offered() -> None:
+def test_blocks_joining_one_at_a_time_or_after_a_partial_walk_are_offered(
+    lazy_planner: Planner,
+) -> None:
     """A walk that reached the tail reads nothing more until a block joins; every way a
     block joins (``append_n`` from ``free_blocks``, ``append``) and a walk cut short by its
     limit still leave the rest to the next walk."""
@@ -102,19 +106,21 @@ def test_blocks_joining_one_at_a_time_or_after_a_partial_walk_are_offered() -> N
     # Only cached blocks in the queue: each walk of 2 offers 2.
     spare = pool.get_new_blocks(pool.get_num_free_blocks() - 3)
     first = [b.block_id for b in freed_cached_blocks(pool, hashes, 3)]
-    assert walker.candidates(limit=2)[0] == first[:2]
-    assert walker.candidates(limit=2)[0] == first[2:]
-    assert walker.candidates(limit=2) is None
+    assert walker.candidates(2, lazy_planner)[0] == first[:2]
+    assert walker.candidates(2, lazy_planner)[0] == first[2:]
+    assert walker.candidates(2, lazy_planner) is None
     single = spare.pop()
     hashes.give(single)
     single.ref_cnt -= 1
     pool.free_block_queue.append(single)
-    assert offer_all(walker) == [single.block_id]
-    assert walker.candidates(limit=2) is None
+    assert offer_all(walker, lazy_planner) == [single.block_id]
+    assert walker.candidates(2, lazy_planner) is None
     pool.free_blocks(spare)
 
 
-def test_blocks_a_store_held_rejoin_the_queue_examined_before_later_frees() -> None:
+def test_blocks_a_store_held_rejoin_the_queue_examined_before_later_frees(
+    lazy_planner: Planner,
+) -> None:
     """Released when their store retired, held blocks are not offered again, and are
     evicted before blocks freed after they were offered (where they were, not at the
     tail). Offered again, a block whose CPU copy was evicted meanwhile was stored again,
@@ -122,16 +128,37 @@ def test_blocks_a_store_held_rejoin_the_queue_examined_before_later_frees() -> N
     pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
     walker = FreeQueueWalker(pool)
     first = [b.block_id for b in freed_cached_blocks(pool, hashes, 3)]
-    assert offer_all(walker) == first
+    assert offer_all(walker, lazy_planner) == first
     walker.hold(first[:2])
     later = [b.block_id for b in freed_cached_blocks(pool, hashes, 2)]
     walker.release(first[:2])
     assert cached_free_blocks(pool) == [first[2], first[0], first[1], *later]
-    assert offer_all(walker) == later
-    assert offer_all(walker) == []
+    assert offer_all(walker, lazy_planner) == later
+    assert offer_all(walker, lazy_planner) == []
 
 
-def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None:
+def test_blocks_the_cpu_tier_has_are_walked_past_not_offered(lazy_planner: Planner) -> None:
+    """A freed block whose key the CPU tier holds or is storing (loaded from it, or
+    stored before) is not handed back: the walk moves past it, counts it as a skipped
+    duplicate, and offers the rest in queue order."""
+    pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
+    walker = FreeQueueWalker(pool)
+    freed = freed_cached_blocks(pool, hashes, 4)
+    ids, got = walker.candidates(10 * NUM_BLOCKS, lazy_planner)
+    assert ids == [b.block_id for b in freed]
+    # Two of them go to the next store.
+    assert lazy_planner.offer_lazy(ids[1:3], got[1:3], GROUP_ID_BYTES) == ids[1:3]
+    walker.reset()
+    ids, got = walker.candidates(10 * NUM_BLOCKS, lazy_planner)
+    assert ids == [freed[0].block_id, freed[3].block_id]
+    assert got == [freed[0].block_hash, freed[3].block_hash]
+    assert dict(lazy_planner.stats())["dedup_skipped"] == 2
+    assert walker.candidates(10 * NUM_BLOCKS, lazy_planner) is None
+
+
+def test_random_queue_operations_offer_each_cached_block_once_per_stay(
+    lazy_planner: Planner,
+) -> None:
     """A randomized model check: after any mix of allocations, prefix hits, frees, walks,
     holds and releases, the offered blocks are exactly a least-recently-used prefix of the
     cached free blocks, none offered twice during one stay in the queue."""
@@ -163,7 +190,7 @@ def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None
                 pool.free_blocks(refs[:n])
                 del refs[:n]
             elif op == "walk":
-                ids, got = walker.candidates(limit=rng.randint(1, NUM_BLOCKS)) or ([], [])
+                ids, got = walker.candidates(rng.randint(1, NUM_BLOCKS), lazy_planner) or ([], [])
                 assert got == [pool.blocks[i].block_hash for i in ids]
                 assert not offered.intersection(ids), f"seed {seed} step {step}: re-offered"
                 offered.update(ids)
@@ -190,7 +217,7 @@ def test_random_queue_operations_offer_each_cached_block_once_per_stay() -> None
             assert free[: len(offered)] == [b for b in free if b in offered], (
                 f"seed {seed} step {step} ({op}): a cached free block was skipped"
             )
-        rest = offer_all(walker)
+        rest = offer_all(walker, lazy_planner)
         assert not offered.intersection(rest)
         assert sorted(offered.union(rest)) == sorted(cached_free_blocks(pool)), f"seed {seed}"
 

@@ -13,6 +13,7 @@ import torch
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
+from kvoffload._native import Planner
 from kvoffload.vllm_adapter import FreeQueueWalker, kv_regions
 
 
@@ -27,22 +28,22 @@ def pool_with_freed_blocks(n_hashed: int) -> tuple[BlockPool, list[bytes]]:
     return pool, hashes
 
 
-def test_walker_offers_hashed_free_blocks_oldest_first_and_resumes() -> None:
+def test_walker_offers_hashed_free_blocks_oldest_first_and_resumes(lazy_planner: Planner) -> None:
     pool, hashes = pool_with_freed_blocks(4)
     walker = FreeQueueWalker(pool)
-    ids, got = walker.candidates(limit=100)
+    ids, got = walker.candidates(100, lazy_planner)
     assert got == hashes  # LRU order; the planner drops the 4-byte group id
     assert len(set(ids)) == 4
     # Nothing new since: the cursor resumes after the last block seen.
-    assert walker.candidates(limit=100) is None
+    assert walker.candidates(100, lazy_planner) is None
     walker.reset()
-    assert walker.candidates(limit=100)[1] == hashes
+    assert walker.candidates(100, lazy_planner)[1] == hashes
 
 
-def test_walker_limit_and_hold_release() -> None:
+def test_walker_limit_and_hold_release(lazy_planner: Planner) -> None:
     pool, hashes = pool_with_freed_blocks(4)
     walker = FreeQueueWalker(pool)
-    ids, got = walker.candidates(limit=13)  # 11 never-used blocks, then two hashed ones
+    ids, got = walker.candidates(13, lazy_planner)  # 11 never-used blocks, then two hashed ones
     assert got == hashes[:2]
     free_before = pool.get_num_free_blocks()
     walker.hold(ids)

@@ -211,6 +211,15 @@ class Planner:
         """Lazy mode: selects blocks for the next step's store now; returns the ids to
         hold from now on (none with ``stores_after_forward``: that store is copied
         before the next forward pass)."""
+    def walk_free_queue(
+        self, start: Any, tail: Any, limit: int, strip: int
+    ) -> tuple[Any | None, bool, list[int], list[bytes]]:
+        """Lazy mode: examines up to ``limit`` nodes of vLLM's GPU free queue from
+        ``start``, stopping at ``tail``; returns ``(last_node, at_tail, gpu_block_ids,
+        block_hashes)`` with the cached blocks (hash ``bytes`` ending in ``strip`` bytes of
+        group id) whose key the CPU tier neither holds nor is storing, in queue order.
+        ``last_node`` is ``None`` when no node was examined; blocks skipped as present are
+        counted in ``dedup_skipped``. An eager planner returns no block."""
     @property
     def reads_scheduled_requests(self) -> bool:
         """Whether ``schedule`` reads the request lists (a lazy single-group planner

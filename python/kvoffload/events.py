@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload.vllm_adapter import (
+    GROUP_ID_BYTES,
     BlockMeta,
     EventSpec,
     all_blocks_cleared,
@@ -26,9 +27,6 @@ from kvoffload.vllm_adapter import (
     logger,
     request_block_meta,
 )
-
-#: vLLM appends the KV-cache group id (4 bytes) to a GPU block's hash.
-GROUP_ID_BYTES = 4
 
 #: The planner's key is the first 16 bytes of vLLM's hash (shorter hashes zero-extended).
 KEY_BYTES = 16

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload._native import KVOffloadError, OffloadConfig, Planner
-from kvoffload.events import GROUP_ID_BYTES, CpuEventLog
+from kvoffload.events import CpuEventLog
 from kvoffload.metadata import IDLE_STEP, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import KVOffloadStats
 from kvoffload.vllm_adapter import (
     FULL_KINDS,
+    GROUP_ID_BYTES,
     EventSpec,
     FreeQueueWalker,
     GpuBlockHolder,
@@ -175,7 +176,7 @@ class OffloadScheduler:
         planner = self._planner
         lazy_ids = lazy_hashes = None
         if self._walker is not None:
-            walked = self._walker.candidates(self._lazy_limit)
+            walked = self._walker.candidates(self._lazy_limit, planner)
             if walked is not None:
                 lazy_ids, lazy_hashes = walked
         if self._reads_requests:
@@ -258,7 +259,7 @@ class OffloadScheduler:
             or walker.queue.num_free_blocks > self._offer_below
         ):
             return
-        walked = walker.candidates(self._lazy_limit)
+        walked = walker.candidates(self._lazy_limit, self._planner)
         if walked is None or not walked[0]:
             return
         ids, hashes = walked

@@ -523,6 +523,28 @@ fn lazy_blocks_offered_between_steps_join_the_next_store() {
 }
 
 #[test]
+fn lazy_candidates_the_cpu_tier_has_are_filtered_out_in_order() {
+    let k = |h| key(BlockHash(h));
+    let none = Vec::<common::planner::Sched<'_>>::new;
+    let mut eager = planner(4, 1, false);
+    let mut all = vec![(7, k(1))];
+    eager.retain_unstored(&mut all, |c| &c.1);
+    assert!(all.is_empty());
+
+    let mut p = planner(4, 1, true);
+    // One key stored and retired, one in the next store: both dropped, counted as the
+    // duplicates `offer_lazy` would have skipped; the rest keep the queue's order.
+    let store = p.schedule(none(), [(7, k(1))]).unwrap().store.unwrap();
+    p.complete(store.id, true).unwrap();
+    assert_eq!(p.offer_lazy([(8, k(2))]), vec![8]);
+    let mut freed = vec![(9, k(3)), (8, k(2)), (7, k(1)), (6, k(4))];
+    p.retain_unstored(&mut freed, |c| &c.1);
+    assert_eq!(freed, vec![(9, k(3)), (6, k(4))]);
+    assert_eq!(p.stats().dedup_skipped, 2);
+    assert_eq!(p.offer_lazy(freed), vec![9, 6]);
+}
+
+#[test]
 fn lazy_stores_copied_within_the_step_hold_no_block() {
     let k = |h| key(BlockHash(h));
     let none = Vec::<common::planner::Sched<'_>>::new;

@@ -5,6 +5,7 @@
 mod config;
 mod convert;
 mod errors;
+mod free_queue;
 mod planner;
 mod running;
 mod step;

@@ -16,6 +16,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyMapping, PyString, PyTuple};
 use crate::config::PyOffloadConfig;
 use crate::convert::{block_id, block_ids, count, PyHashes};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
+use crate::free_queue::{self, Walk};
 use crate::running::RunningWatch;
 use crate::step::{
     all_group_ids, group0_ids, lazy_candidates, req_id, same_len, scheduled_requests, step_lists,
@@ -476,6 +477,19 @@ impl PyPlanner {
     ) -> PyResult<Vec<u32>> {
         let lazy = lazy_candidates(Some(gpu_block_ids), Some(block_hashes), strip)?;
         Ok(self.inner.offer_lazy(lazy))
+    }
+
+    /// Lazy mode: walks vLLM's GPU free queue from node `start` (see `free_queue::walk`);
+    /// returns `(last_node, at_tail, gpu_block_ids, block_hashes)`, the candidates
+    /// without those the CPU tier holds already, ready for `offer_lazy` or `schedule`.
+    fn walk_free_queue<'py>(
+        &mut self,
+        start: Bound<'py, PyAny>,
+        tail: Bound<'py, PyAny>,
+        limit: usize,
+        strip: usize,
+    ) -> PyResult<Walk<'py>> {
+        free_queue::walk(&mut self.inner, start, &tail, limit, strip)
     }
 
     /// Whether `schedule` reads the request lists (see

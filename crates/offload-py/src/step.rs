@@ -211,30 +211,38 @@ pub(crate) fn lazy_candidates(
     )?;
     let mut out = Vec::with_capacity(ids.len());
     for (i, (id, h)) in ids.iter().zip(hashes.iter()).enumerate() {
-        let b = h
-            .cast::<PyBytes>()
-            .map_err(|_| {
-                INVALID_INPUT_ERROR.err(format!(
-                    "lazy_block_hashes[{i}]: block hash must be bytes, got {}",
-                    type_name(&h)
-                ))
-            })?
-            .as_bytes();
-        let hash = BlockHash::from_bytes(&b[..b.len().saturating_sub(strip)]).ok_or_else(|| {
-            INVALID_INPUT_ERROR.err(format!("lazy_block_hashes[{i}]: empty block hash"))
-        })?;
-        // vLLM appends the group id, 4 bytes big-endian.
-        let group = b
-            .len()
-            .checked_sub(strip)
-            .and_then(|at| <[u8; 4]>::try_from(&b[at..]).ok())
-            .map_or(0, u32::from_be_bytes);
-        out.push((
-            block_id(&id, "lazy_gpu_block_ids")?,
-            BlockKey::new(group, hash),
-        ));
+        let key = candidate_key(&h, strip, || format!("lazy_block_hashes[{i}]"))?;
+        out.push((block_id(&id, "lazy_gpu_block_ids")?, key));
     }
     Ok(out)
+}
+
+/// The key of a lazy candidate's hash: vLLM's `BlockHashWithGroupId`, `bytes` whose last
+/// `strip` bytes are the KV-cache group id (4 bytes, big-endian; group 0 without them).
+/// `what` names the value in an error.
+pub(crate) fn candidate_key(
+    h: &Bound<'_, PyAny>,
+    strip: usize,
+    what: impl Fn() -> String,
+) -> PyResult<BlockKey> {
+    let b = h
+        .cast::<PyBytes>()
+        .map_err(|_| {
+            INVALID_INPUT_ERROR.err(format!(
+                "{}: block hash must be bytes, got {}",
+                what(),
+                type_name(h)
+            ))
+        })?
+        .as_bytes();
+    let hash = BlockHash::from_bytes(&b[..b.len().saturating_sub(strip)])
+        .ok_or_else(|| INVALID_INPUT_ERROR.err(format!("{}: empty block hash", what())))?;
+    let group = b
+        .len()
+        .checked_sub(strip)
+        .and_then(|at| <[u8; 4]>::try_from(&b[at..]).ok())
+        .map_or(0, u32::from_be_bytes);
+    Ok(BlockKey::new(group, hash))
 }
 
 pub(crate) fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {

@@ -63,6 +63,7 @@ from kvoffload.vllm_adapter.events import (
     request_block_meta,
 )
 from kvoffload.vllm_adapter.gpu_blocks import (
+    GROUP_ID_BYTES,
     FreeQueueWalker,
     GpuBlockHolder,
     allocated_block_ids_per_group,
@@ -75,6 +76,7 @@ __all__ = [
     "BLOCK_OUTER_LAYOUT",
     "FAULTS_ENV",
     "FULL_KINDS",
+    "GROUP_ID_BYTES",
     "HOST_HIT_SOURCE",
     "OFFLOADABLE_KINDS",
     "BlockMeta",

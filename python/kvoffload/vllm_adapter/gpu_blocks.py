@@ -4,7 +4,13 @@ and vLLM's GPU block pool, whose free queue lazy mode walks and whose blocks a c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvoffload._native import Planner
+
+#: vLLM appends the KV-cache group id (4 bytes, big-endian) to a GPU block's hash.
+GROUP_ID_BYTES = 4
 
 
 def allocated_blocks(blocks: Any) -> list[Any]:
@@ -100,8 +106,9 @@ class GpuBlockHolder:
 
 
 class FreeQueueWalker(GpuBlockHolder):
-    """Offers each cached block of the GPU free queue once per stay in the queue, least
-    recently used first, resuming each step where the previous walk stopped. A block a
+    """Offers each cached block of the GPU free queue that the CPU tier lacks once per
+    stay in the queue, least recently used first, resuming each step where the previous
+    walk stopped. A block a
     lazy store held rejoins the queue examined (see ``release``).
 
     The cursor is the last block examined. vLLM's queue gives no way to tell, after the
@@ -211,10 +218,13 @@ class FreeQueueWalker(GpuBlockHolder):
         if last is not start:
             self._cursor = last
 
-    def candidates(self, limit: int) -> tuple[list[int], list[bytes]] | None:
+    def candidates(self, limit: int, planner: Planner) -> tuple[list[int], list[bytes]] | None:
         """Examines up to ``limit`` blocks not examined during their current stay in the
-        queue; returns the ids and hashes (with vLLM's group id) of those with a hash, or
-        ``None`` when no block joined the queue since the previous walk."""
+        queue; returns the ids and hashes (with vLLM's group id) of those with a hash
+        that ``planner``'s CPU tier lacks, or ``None`` when no block joined the queue
+        since the previous walk. The nodes are read in Rust (``Planner.walk_free_queue``):
+        a burst of freed blocks is a few hundred, most of them in the CPU tier already,
+        and only the others are handed back."""
         if not self._joined:
             # Most calls; no lists are allocated for them (see `metadata.IDLE_STEP`).
             return None
@@ -224,21 +234,10 @@ class FreeQueueWalker(GpuBlockHolder):
         if node is tail:
             self._joined = False
             return None
-        ids: list[int] = []
-        hashes: list[bytes] = []
-        add_id, add_hash = ids.append, hashes.append
-        # A burst of freed blocks is a few hundred nodes: the loop body is kept minimal.
-        for _ in range(limit):
-            if node is tail or node is None:
-                break
-            h = node._block_hash
-            if h is not None and not node.is_null:
-                add_id(node.block_id)
-                add_hash(h)  # with the 4-byte group id: the planner drops it
-            cursor = node
-            node = node.next_free_block
-        self._cursor = cursor
-        if node is tail:
+        last, at_tail, ids, hashes = planner.walk_free_queue(node, tail, limit, GROUP_ID_BYTES)
+        if last is not None:
+            self._cursor = last
+        if at_tail:
             self._joined = False
         return ids, hashes
 

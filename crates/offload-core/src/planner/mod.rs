@@ -38,6 +38,7 @@ use hashbrown::HashMap;
 use crate::cache::BlockCache;
 use crate::error::PlanError;
 use crate::events::{KvEvent, PlannerStats};
+use crate::key::BlockKey;
 
 use ledger::Ledger;
 use request::{Finishing, Report, Request};
@@ -345,6 +346,43 @@ impl Planner {
         }
         self.pending_store.offered.extend_from_slice(&chosen);
         chosen
+    }
+
+    /// Lazy mode: drops, in place and keeping the order of the rest, the candidates whose
+    /// key the CPU tier holds or is storing already; [`Self::offer_lazy`] and
+    /// [`Self::schedule`] would skip them, and they are counted as those calls count
+    /// them (`dedup_skipped`). An eager planner, which selects no lazy candidate, keeps
+    /// none.
+    ///
+    /// A caller that reads candidates out of a long free queue filters before it builds
+    /// what it offers: most blocks a finished request frees were loaded from the CPU tier
+    /// or stored to it before, and only the rest need their ids and hashes handed over.
+    ///
+    /// ```
+    /// use offload_core::{BlockHash, BlockKey, Planner, PlannerConfig};
+    ///
+    /// let mut p = Planner::new(PlannerConfig::new(16, 8).with_lazy(true));
+    /// let k = |h| BlockKey::new(0, BlockHash(h));
+    /// assert_eq!(p.offer_lazy([(7, k(1))]), vec![7]);
+    /// let mut freed = vec![(9, k(2)), (7, k(1)), (8, k(3))];
+    /// p.retain_unstored(&mut freed, |c| &c.1);
+    /// assert_eq!(freed, vec![(9, k(2)), (8, k(3))]);
+    /// assert_eq!(p.stats().dedup_skipped, 1);
+    /// ```
+    pub fn retain_unstored<T>(&mut self, candidates: &mut Vec<T>, key: impl Fn(&T) -> &BlockKey) {
+        if !self.cfg.lazy {
+            candidates.clear();
+            return;
+        }
+        // The index is far larger than the cache: its buckets are fetched for all the
+        // candidates before the first is probed.
+        for c in candidates.iter() {
+            self.cache.prefetch_key(key(c));
+        }
+        let before = candidates.len();
+        let cache = &self.cache;
+        candidates.retain(|c| !cache.contains(key(c)));
+        self.stats.dedup_skipped += (before - candidates.len()) as u64;
     }
 
     /// Whether [`Self::schedule`] reads the step's scheduled requests. A lazy planner
