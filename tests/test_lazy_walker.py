@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 
-from kvoffload._native import Planner
+from kvoffload._native import InvalidInputError, Planner
 from kvoffload.vllm_adapter import GROUP_ID_BYTES, FreeQueueWalker, GpuBlockHolder
 
 NUM_BLOCKS = 24
@@ -154,6 +154,17 @@ def test_blocks_the_cpu_tier_has_are_walked_past_not_offered(lazy_planner: Plann
     assert got == [freed[0].block_hash, freed[3].block_hash]
     assert dict(lazy_planner.stats())["dedup_skipped"] == 2
     assert walker.candidates(10 * NUM_BLOCKS, lazy_planner) is None
+
+
+def test_a_free_block_whose_hash_is_not_bytes_is_named(lazy_planner: Planner) -> None:
+    pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
+    walker = FreeQueueWalker(pool)
+    bad = freed_cached_blocks(pool, hashes, 2)[1]
+    bad._block_hash = "not bytes"
+    with pytest.raises(
+        InvalidInputError, match=f"GPU block {bad.block_id}: block hash must be bytes"
+    ):
+        walker.candidates(10 * NUM_BLOCKS, lazy_planner)
 
 
 def test_random_queue_operations_offer_each_cached_block_once_per_stay(
