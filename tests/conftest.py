@@ -7,9 +7,12 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from kvoffload._native import Planner
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -34,7 +37,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def lazy_planner() -> Any:
+def lazy_planner() -> Planner:
     """A lazy planner with an empty CPU tier: the free-queue walk it does for
     ``FreeQueueWalker.candidates`` drops no block as already stored."""
     from kvoffload._native import Planner
