@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvoffload.stats import CounterDeltas, KVOffloadStats
+from kvoffload.stat_deltas import CounterDeltas
+from kvoffload.stats import KVOffloadStats
 
 
 def test_counters_sum_gauges_keep_the_latest_times_concatenate() -> None:
@@ -49,7 +50,7 @@ def test_remote_tier_counters_reach_their_prometheus_series() -> None:
 
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from kvoffload.stats import KVOffloadPromMetrics
+    from kvoffload.prometheus import KVOffloadPromMetrics
 
     reg = CollectorRegistry()
     types: dict[type, Any] = {

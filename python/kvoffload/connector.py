@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload._native import ConfigError, parse_config
 from kvoffload.metadata import KVOffloadHandshake, KVOffloadMetadata
+from kvoffload.prometheus import KVOffloadPromMetrics
 from kvoffload.scheduler import OffloadScheduler
-from kvoffload.stats import KVOffloadPromMetrics, KVOffloadStats
+from kvoffload.stats import KVOffloadStats
 from kvoffload.vllm_adapter import (
     HOST_HIT_SOURCE,
     KVConnectorBase_V1,

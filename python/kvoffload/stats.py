@@ -1,9 +1,11 @@
-"""Connector statistics in vLLM's ``KVConnectorStats`` shape, and their Prometheus series.
+"""Connector statistics in vLLM's ``KVConnectorStats`` shape, and what each key means.
 
 The scheduler (planner counters, CPU residency) and every worker (bytes moved, copy
 times) each report what changed since their previous report. vLLM sums the workers'
 reports and the scheduler's (``aggregate``) and hands the sum to the loggers: the log line
-(``reduce``) and ``/metrics`` (:class:`KVOffloadPromMetrics`). The payload is plain dicts
+(``reduce``) and ``/metrics`` (:class:`kvoffload.prometheus.KVOffloadPromMetrics`, which
+exports the series named here). :class:`kvoffload.stat_deltas.CounterDeltas` builds the
+payload from monotonic counters. The payload is plain dicts
 and lists, so it crosses vLLM's process boundaries as it is::
 
     {"counters": {key: delta}, "gauges": {key: value}, "times": {key: [seconds, ...]}}
@@ -11,11 +13,10 @@ and lists, so it crosses vLLM's process boundaries as it is::
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.vllm_adapter import KVConnectorPromMetrics, KVConnectorStats
+from kvoffload.vllm_adapter import KVConnectorStats
 
 COUNTERS = "counters"
 GAUGES = "gauges"
@@ -192,126 +193,3 @@ class KVOffloadStats(KVConnectorStats):
     def is_empty(self) -> bool:
         data = self.data
         return not (data[COUNTERS] or data[GAUGES] or data[TIMES])
-
-
-#: vLLM asks for connector stats after every step and never while idle, so a report held
-#: back for an interval would keep the last counts of a burst from /metrics until the next
-#: request: every call with something new reports it (a few microseconds).
-REPORT_INTERVAL_S = 0.0
-
-
-class CounterDeltas:
-    """Turns monotonic counters into deltas, at most once per ``interval_s`` seconds, with
-    gauges that changed and the copy times gathered since; ``None`` when it is not time
-    yet or nothing changed."""
-
-    def __init__(self, interval_s: float = REPORT_INTERVAL_S) -> None:
-        self._last: dict[str, int] = {}
-        self._gauges: dict[str, int] = {}
-        self._interval = interval_s
-        self._next = 0.0
-
-    def due(self) -> bool:
-        if not self._interval:
-            return True
-        now = time.monotonic()
-        if now < self._next:
-            return False
-        self._next = now + self._interval
-        return True
-
-    def delta(
-        self,
-        counters: list[tuple[str, int]],
-        gauges: dict[str, int] | None = None,
-        times: dict[str, list[float]] | None = None,
-    ) -> KVOffloadStats | None:
-        deltas = []
-        last = self._last
-        for name, value in counters:
-            d = value - last.get(name, 0)
-            if d:
-                deltas.append((name, d))
-                last[name] = value
-        return self.report(deltas, gauges, times)
-
-    def report(
-        self,
-        deltas: list[tuple[str, int]],
-        gauges: dict[str, int] | None = None,
-        times: dict[str, list[float]] | None = None,
-    ) -> KVOffloadStats | None:
-        """Like :meth:`delta`, from counter increases computed by the caller."""
-        # Called after every engine step: nothing is built unless something changed.
-        changed: dict[str, int] = {}
-        if gauges:
-            last = self._gauges
-            for n, v in gauges.items():
-                if last.get(n) != v:
-                    changed[n] = last[n] = v
-        new_times = {n: v for n, v in times.items() if v} if times else {}
-        if not deltas and not changed and not new_times:
-            return None
-        return KVOffloadStats.of(dict(deltas), changed, new_times)
-
-
-class KVOffloadPromMetrics(KVConnectorPromMetrics):
-    """kvoffload's series on vLLM's ``/metrics``, labelled per engine like vLLM's own."""
-
-    def __init__(
-        self,
-        vllm_config: Any,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._series: dict[str, Any] = {}
-        for name, extra, doc in COUNTER_SERIES.values():
-            if name not in self._series:
-                labels = [LABEL_OF[name]] if extra else []
-                self._series[name] = self._counter_cls(
-                    name=f"{name}_total", documentation=doc, labelnames=labelnames + labels
-                )
-        for name, doc in GAUGE_SERIES.values():
-            self._series[name] = self._gauge_cls(
-                name=name,
-                documentation=doc,
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-            )
-        for kind, name in TIME_SERIES.items():
-            self._series[name] = self._histogram_cls(
-                name=name,
-                documentation=f"Time from submitting a {kind} to its completion, per rank.",
-                labelnames=labelnames,
-                buckets=TIME_BUCKETS,
-            )
-        self._children: dict[tuple[int, str, tuple[str, ...]], Any] = {}
-        # Every counter shows from the start, at 0 until something happens: a scrape
-        # can tell "no failed store" from "not reported".
-        for engine_idx in per_engine_labelvalues:
-            for name, extra, _doc in COUNTER_SERIES.values():
-                self._child(engine_idx, name, extra)
-
-    def _child(self, engine_idx: int, name: str, extra: tuple[str, ...] = ()) -> Any:
-        key = (engine_idx, name, extra)
-        child = self._children.get(key)
-        if child is None:
-            values = [*self.per_engine_labelvalues[engine_idx], *extra]
-            child = self._children[key] = self._series[name].labels(*values)
-        return child
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, value in transfer_stats_data.get(COUNTERS, {}).items():
-            series = COUNTER_SERIES.get(key)
-            if series is not None and value > 0:
-                self._child(engine_idx, series[0], series[1]).inc(value)
-        for key, value in transfer_stats_data.get(GAUGES, {}).items():
-            if key in GAUGE_SERIES:
-                self._child(engine_idx, GAUGE_SERIES[key][0]).set(value)
-        for key, values in transfer_stats_data.get(TIMES, {}).items():
-            if key in TIME_SERIES:
-                child = self._child(engine_idx, TIME_SERIES[key])
-                for v in values:
-                    child.observe(v)

@@ -21,7 +21,8 @@ from kvoffload.metadata import (
     KVOffloadWorkerMetadata,
     StoreSpec,
 )
-from kvoffload.stats import CounterDeltas, KVOffloadStats
+from kvoffload.stat_deltas import CounterDeltas
+from kvoffload.stats import KVOffloadStats
 from kvoffload.vllm_adapter import kv_regions, logger
 
 if TYPE_CHECKING:
