@@ -19,16 +19,18 @@ torch is imported lazily: importing this module does not import torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 if TYPE_CHECKING:
     import torch
 
-HOST = "host"
-CUDA = "cuda"
+#: The transfer engine's backend names (``TransferEngine(backend=...)``).
+Backend = Literal["host", "cuda"]
+HOST: Final = "host"
+CUDA: Final = "cuda"
 
 
-def engine_backend(kv_caches: dict[str, Any]) -> tuple[str, int]:
+def engine_backend(kv_caches: dict[str, Any]) -> tuple[Backend, int]:
     """``("cuda", device ordinal)`` when the registered KV tensors live on a CUDA device,
     else ``("host", 0)``.
 

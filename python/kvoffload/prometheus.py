@@ -29,22 +29,27 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM picks the classes (its multiprocess-safe wrappers in API servers with several
+        # processes); their constructors take prometheus_client's keywords.
+        counter: Any = self._counter_cls
+        gauge: Any = self._gauge_cls
+        histogram: Any = self._histogram_cls
         self._series: dict[str, Any] = {}
         for name, extra, doc in COUNTER_SERIES.values():
             if name not in self._series:
                 labels = [LABEL_OF[name]] if extra else []
-                self._series[name] = self._counter_cls(
+                self._series[name] = counter(
                     name=f"{name}_total", documentation=doc, labelnames=labelnames + labels
                 )
         for name, doc in GAUGE_SERIES.values():
-            self._series[name] = self._gauge_cls(
+            self._series[name] = gauge(
                 name=name,
                 documentation=doc,
                 labelnames=labelnames,
                 multiprocess_mode="mostrecent",
             )
         for kind, name in TIME_SERIES.items():
-            self._series[name] = self._histogram_cls(
+            self._series[name] = histogram(
                 name=name,
                 documentation=f"Time from submitting a {kind} to its completion, per rank.",
                 labelnames=labelnames,

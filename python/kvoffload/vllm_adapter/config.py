@@ -264,19 +264,22 @@ def requested_kv_cache_layout(setting: str) -> str | None:
     """
     if setting == "engine":
         return None
+    layouts: list[str] | None
     try:
         from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        layouts = list(KVCacheLayout.__members__)
     except ImportError:  # pragma: no cover - vLLM before named layouts
-        KVCacheLayout = None  # noqa: N806
+        layouts = None
     if setting == "auto":
         from vllm.platforms import current_platform
 
         on_cuda = current_platform.is_cuda()
-        return BLOCK_OUTER_LAYOUT if on_cuda and KVCacheLayout is not None else None
-    if KVCacheLayout is None or setting not in KVCacheLayout.__members__:
+        return BLOCK_OUTER_LAYOUT if on_cuda and layouts is not None else None
+    if layouts is None or setting not in layouts:
         from kvoffload._native import ConfigError
 
-        known = sorted(KVCacheLayout.__members__) if KVCacheLayout is not None else []
+        known = sorted(layouts or [])
         raise ConfigError(
             f"kv_cache_layout={setting!r} is not a KV cache layout of this vLLM "
             f'(known: {", ".join(known) or "none"}); use "auto", "engine" or one of them'
