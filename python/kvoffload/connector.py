@@ -37,6 +37,7 @@ from kvoffload.vllm_adapter import (
     requested_kv_cache_layout,
     tensor_parallel_rank,
     unsupported_kv_groups,
+    warn_if_untested_vllm,
     world_size,
 )
 
@@ -65,6 +66,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        warn_if_untested_vllm(logger)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         #: The calls bound straight to the scheduler (see `_route_calls`).
