@@ -398,6 +398,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> KVConnectorPromMetrics:
         return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    # vLLM >= 0.33 sleep mode (``supports_sleep_mode`` is the base's default, True): the
+    # worker releases its KV memory between these two calls.
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
