@@ -56,6 +56,9 @@ class OffloadConfig:
     def kv_cache_layout(self) -> str:
         """``"auto"``, ``"engine"`` or a vLLM layout name (upper case)."""
     @property
+    def kv_cache_version(self) -> str | None:
+        """The operator's version of the weights, part of persisted/shared KV keys."""
+    @property
     def remote(self) -> dict[str, Any] | None:
         """The remote tier's settings (``url`` with passwords masked, ``namespace``,
         ``timeout_ms``, ``write``, ``max_inflight_bytes``), or ``None``."""

@@ -209,7 +209,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         # The scheduler probes with the keys of tensor rank 0, which writes them too.
         rank = 0 if role == KVConnectorRole.SCHEDULER else tensor_parallel_rank()
-        return remote_layout(vllm_config, block_size(kv_cache_config, vllm_config), rank)
+        return remote_layout(
+            vllm_config, block_size(kv_cache_config, vllm_config), rank, config.kv_cache_version
+        )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
