@@ -19,7 +19,12 @@ head size 128, bf16, 16-token blocks: 2 MiB per block id) in vLLM's per-layer la
    ``torch`` ``copy_(non_blocking=True)`` loop, with CPU microseconds per block to submit;
 3. times a 16-block load submitted behind 12 stores of 256 blocks (lanes);
 4. measures how much a decode proxy (memory-bound, replayed from a CUDA graph) and a matmul
-   loop on the compute stream slow down while the engine stores and loads back to back.
+   loop on the compute stream slow down while the engine stores and loads back to back;
+5. checks ordering (``scripts/gpu_ordering.py``): stores submitted as the worker submits
+   them, right after a delayed kernel wrote their blocks, hold every byte the kernel wrote,
+   and a kernel reading loaded blocks right after the load's wait sees the loaded bytes,
+   with the copy lanes busy, in both layouts (``--ordering-only``: this stage alone); a
+   mismatch exits 1.
 
 It prints a table and the lane, decode and matmul lines, and writes every number to
 ``--out`` as JSON after every stage; ``scripts/render_docs.py`` renders the committed copy
@@ -62,6 +67,8 @@ from gpu_measure import (
     scattered,
     synchronize,
 )
+from gpu_ordering import blnhc_regions_via_adapter, ordering_check
+from gpu_ordering import sizes as ordering_sizes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -123,7 +130,9 @@ def self_test() -> int:
     import doctest
 
     failures, tests = 0, 0
-    for module in (sys.modules[__name__], gm):
+    import gpu_ordering
+
+    for module in (sys.modules[__name__], gm, gpu_ordering):
         result = doctest.testmod(module, verbose=False)
         failures, tests = failures + result.failed, tests + result.attempted
     print(f"self-test: {tests - failures}/{tests} doctests passed")
@@ -369,6 +378,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wheel", help="pip install this wheel instead of building")
     parser.add_argument("--native", help="use this built _native.abi3.so with these sources")
     parser.add_argument("--self-test", action="store_true", help="CPU-only checks, then exit")
+    parser.add_argument(
+        "--ordering-only", action="store_true", help="only the ordering check (stage 5)"
+    )
     parser.add_argument("--fake-driver", help=argparse.SUPPRESS)  # dry run, see gm.DRY_RUN
     args = parser.parse_args(argv)
     if args.self_test:
@@ -434,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lanes": [],
         "decode": [],
         "matmul": [],
+        "ordering": [],
     }
 
     def save() -> None:
@@ -442,8 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
     try:
-        proxy = None if gm.DRY_RUN else DecodeProxy(torch, device)
-        for i, (name, copy) in enumerate(CONFIGS):
+        proxy = None if gm.DRY_RUN or args.ordering_only else DecodeProxy(torch, device)
+        for i, (name, copy) in enumerate(() if args.ordering_only else CONFIGS):
             layout_rows, info, layout, engine = measure_layout(
                 torch,
                 native,
@@ -477,6 +490,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 torch.cuda.empty_cache()
                 # Pinned buffers of this layout go back to the OS, not torch's host cache.
                 getattr(torch._C, "_host_emptyCache", lambda: None)()
+        for i, (name, _copy) in enumerate(CONFIGS):
+            ordering = run_ordering(torch, native, name, device, args.seed + 100 + i)
+            result["ordering"].append(ordering)
+            result["ok"] = result["ok"] and ordering["ok"]
+            print(f"  {name} ordering: {ordering}", flush=True)
+            save()
     except Exception as e:  # the JSON still records what ran
         result["ok"] = False
         meta["error"] = f"{type(e).__name__}: {e}"
@@ -484,6 +503,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     save()
     print_summary(result, args.out)
     return 0 if result["ok"] else 1
+
+
+def run_ordering(torch: Any, native: Any, name: str, device: Any, seed: int) -> dict[str, Any]:
+    """Stage 5 on a fresh layout and engine (sized by ``gpu_ordering.sizes``)."""
+    _, _, num_gpu, num_cpu = ordering_sizes()
+    layout = Layout(torch, name, num_gpu, device)
+    engine = make_engine(native, layout, num_cpu, device)
+    try:
+        ordering = ordering_check(torch, layout, engine, seed)
+        if name == "cross-layer":
+            ordering["blnhc_regions_via_adapter"] = blnhc_regions_via_adapter(torch, layout)
+            ordering["ok"] = ordering["ok"] and ordering["blnhc_regions_via_adapter"] is not False
+        return ordering
+    finally:
+        engine.shutdown()
+        del layout
+        if not gm.DRY_RUN:
+            torch.cuda.empty_cache()
 
 
 def print_summary(result: dict[str, Any], out: str) -> None:

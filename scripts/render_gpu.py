@@ -389,6 +389,44 @@ def _section(d: Fields, info: Fields) -> str:
     )
 
 
+def _ordering_line(o: Fields) -> str:
+    adapter = o.get("blnhc_regions_via_adapter")
+    blnhc = (
+        ""
+        if adapter is None
+        else "; vLLM's BLNHC views through kvoffload's adapter are the engine's one region: "
+        + ("yes" if adapter else "NO")
+    )
+    return (
+        f"- {o['layout']}: {o['steps']} steps of {o['blocks_per_step']} blocks, each written "
+        f"by a kernel delayed {o['sleep_cycles']:,} GPU cycles with "
+        f"{o['busy_jobs_per_step']} other copies queued: {o['store_mismatched_blocks']} of "
+        f"{o['stored_blocks_checked']:,} stored blocks and {o['load_mismatched_parts']} of "
+        f"{o['loaded_parts_checked']:,} loaded regions held other bytes than the kernel's / "
+        f"the load's, {o['failed_transfers']} transfers failed; the control store without "
+        f"its event missed {o['control_mismatched_blocks']} block(s){blnhc}: "
+        + ("**ok**" if o["ok"] else "**FAILED**")
+    )
+
+
+def _ordering(d: Fields) -> str:
+    """Stage 5, the ordering check, or that the committed results predate it."""
+    entries = d.get("ordering")
+    text = (
+        "### Ordering\n\nStores submitted as the worker submits them (an event recorded on "
+        "PyTorch's current stream right after a delayed kernel wrote the blocks) must copy "
+        "the kernel's bytes, and a kernel reading loaded blocks right after the load's wait "
+        "must see the loaded bytes (`scripts/gpu_ordering.py`).\n\n"
+    )
+    if not entries:
+        return text + (
+            "Not yet run on a GPU: the committed results predate this check (run "
+            "`scripts/gpu_check.py --ordering-only`). Its dry run on the fake CUDA driver "
+            "runs in CI (`tests/test_gpu_check.py`)."
+        )
+    return text + "\n".join(_ordering_line(o) for o in entries)
+
+
 def gpu_results() -> str:
     """docs/gpu_check.md's results: per configuration a table, the lane check, the decode
     proxy and the matmul loop; then the goals per configuration and the default's verdict."""
@@ -396,6 +434,7 @@ def gpu_results() -> str:
     layouts = d["layouts"]
     parts = [f"{_measured(d)} {_correct(d)}"]
     parts += [_section(d, info) for info in layouts]
+    parts.append(_ordering(d))
     parts.append(
         "### Goals\n\n"
         f"- 16-token blocks at ≥ {pct(GOALS['gpu_copy_share'])} of one large pinned copy's "

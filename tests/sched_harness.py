@@ -590,3 +590,56 @@ class SchedHarness:
         conn.get_num_new_matched_tokens = spy_lookup
         conn.update_state_after_alloc = spy_alloc
         conn.take_events = spy_events
+
+
+# ---- worker ranks -----------------------------------------------------------------------------
+
+#: A worker rank's geometry: 16 GPU blocks of one layer each of 16 tokens x 1 head x 16 x
+#: float16 x (K, V) = 1024 bytes.
+RANK_GPU_BLOCKS = 16
+RANK_LAYER_BYTES = 1024
+
+
+class Rank:
+    """A worker-role connector over CPU tensors of ``num_layers`` layers, beside a
+    :class:`SchedHarness` (pass its ``scheduler.vllm_config``): plays one worker process."""
+
+    def __init__(self, vllm_config: Any, num_layers: int) -> None:
+        import torch
+
+        from kvoffload.connector import KVOffloadConnector
+        from kvoffload.vllm_adapter import KVConnectorRole
+
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+        cfg = kv_cache_config(RANK_GPU_BLOCKS, [(layers, full_attention())])
+        self.connector = KVOffloadConnector(vllm_config, KVConnectorRole.WORKER, cfg)
+        self.kv = {
+            name: torch.randn(RANK_GPU_BLOCKS, RANK_LAYER_BYTES // 2).to(torch.float16)
+            for name in layers
+        }
+        self.connector.register_kv_caches(self.kv)
+        self.done: dict[int, bool] = {}
+
+    @property
+    def worker(self) -> Any:
+        return self.connector.offload_worker
+
+    def run(self, meta: Any) -> None:
+        """One step's copies (a ``KVOffloadMetadata``), waited for; results recorded."""
+        import time
+
+        self.worker.submit(meta)
+        expect = len(meta.loads) + (meta.store is not None)
+        deadline = time.monotonic() + 10
+        got = 0
+        while got < expect:
+            assert time.monotonic() < deadline, "copies never finished"
+            self.worker.poll()
+            report = self.worker.take_worker_meta()
+            if report is not None:
+                self.done.update(zip(report.transfer_ids, report.ok, strict=True))
+                got += len(report.transfer_ids)
+            time.sleep(0.001)
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()

@@ -8,61 +8,14 @@ from __future__ import annotations
 
 import os
 import textwrap
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from kvoffload.connector import KVOffloadConnector
-from kvoffload.metadata import KVOffloadMetadata
-from sched_harness import SchedHarness, full_attention, kv_cache_config
+from sched_harness import Rank, SchedHarness
 from vllm_harness import run_script
 
-NUM_GPU_BLOCKS = 16
-#: One layer of the harness's geometry: 16 tokens x 1 head x 16 x float16 x (K, V).
-LAYER_BYTES = 1024
 CPU_BLOCKS_OF_ONE_LAYER = 8
-
-
-class Rank:
-    """A worker-role connector over CPU tensors of ``num_layers`` layers."""
-
-    def __init__(self, vllm_config: Any, num_layers: int) -> None:
-        import torch
-
-        from kvoffload.vllm_adapter import KVConnectorRole
-
-        layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-        cfg = kv_cache_config(NUM_GPU_BLOCKS, [(layers, full_attention())])
-        self.connector = KVOffloadConnector(vllm_config, KVConnectorRole.WORKER, cfg)
-        self.kv = {
-            name: torch.randn(NUM_GPU_BLOCKS, LAYER_BYTES // 2).to(torch.float16) for name in layers
-        }
-        self.connector.register_kv_caches(self.kv)
-        self.done: dict[int, bool] = {}
-
-    @property
-    def worker(self) -> Any:
-        return self.connector.offload_worker
-
-    def run(self, meta: KVOffloadMetadata) -> None:
-        """One step's copies, waited for; their results recorded."""
-        self.worker.submit(meta)
-        expect = len(meta.loads) + (meta.store is not None)
-        deadline = time.monotonic() + 10
-        got = 0
-        while got < expect:
-            assert time.monotonic() < deadline, "copies never finished"
-            self.worker.poll()
-            report = self.worker.take_worker_meta()
-            if report is not None:
-                self.done.update(zip(report.transfer_ids, report.ok, strict=True))
-                got += len(report.transfer_ids)
-            time.sleep(0.001)
-
-    def shutdown(self) -> None:
-        self.connector.shutdown()
 
 
 def test_each_rank_sizes_its_pool_from_its_own_tensors(model: Path) -> None:

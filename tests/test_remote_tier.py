@@ -12,6 +12,7 @@ Every prompt has its own long prefix, so each one that is not local needs the cl
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -46,9 +47,9 @@ WRITER = textwrap.dedent(
 )
 
 #: Each phase is a fresh engine with an empty CPU pool: ``ns`` (namespace), ``extra``
-#: (more config keys), ``kill`` (pid files: those masters are killed after the first half
-#: of the prompts is served), ``events`` (KV events on: the CPU hashes the connector
-#: announced are counted).
+#: (more config keys), ``plain`` (vLLM without kvoffload: the reference), ``kill`` (pid
+#: files: those masters are killed after the first half of the prompts is served),
+#: ``events`` (KV events on: the CPU hashes the connector announced are counted).
 READER = textwrap.dedent(
     """
     import json, os, signal, sys
@@ -61,6 +62,10 @@ READER = textwrap.dedent(
     prompts = shared_prefix_prompts(4, 4)
     results = {{}}
     for phase in json.loads({phases!r}):
+        if phase.get("plain"):
+            with engine({model!r}) as llm:
+                results[phase["name"]] = dict(outputs=generate(llm, prompts))
+            continue
         cfg = offload_config(
             remote_url={url!r}, remote_namespace=phase["ns"], **phase.get("extra", {{}})
         )
@@ -167,6 +172,38 @@ def test_engines_share_prefixes_through_the_cluster(
     assert other["planner"]["remote_probe_round_trips"] > 0
     assert other["planner"]["remote_hit_tokens"] == 0
     assert other["planner"]["remote_fetches"] == 0
+
+
+def test_other_weights_under_the_same_name_never_share_blocks(
+    cluster: tuple[str, str], tiny_model: Path, tmp_path: Path
+) -> None:
+    """One model directory, written by engine A; a fresh engine on the same directory
+    shares its blocks. Then the directory's weights are replaced by another random
+    initialisation of the same shape (same name, config, tokenizer, so the same block
+    hashes): the next engine finds none of A's blocks and computes its own outputs."""
+    from test_weights import same_name_other_weights
+    from tiny_model import build_tiny_llama
+
+    _, url = cluster
+    ns = "kvoffload-weights"
+    model = shutil.copytree(tiny_model, tmp_path / "served")
+    tests = str(Path(__file__).parent)
+    written = run_script(WRITER.format(tests=tests, model=str(model), url=url, ns=ns), {})
+    assert written["queued"] > 0
+    same = _read(cluster, model, [{"name": "same", "ns": ns}])["same"]
+    assert same["outputs"] == written["reference"]
+    assert same["planner"]["remote_hit_tokens"] > 0, same["planner"]
+
+    other = build_tiny_llama(tmp_path / "seed1", seed=1)
+    shutil.rmtree(model)
+    same_name_other_weights(tiny_model, other, model)
+    r = _read(cluster, model, [{"name": "plain", "plain": True}, {"name": "updated", "ns": ns}])
+    updated = r["updated"]
+    assert updated["planner"]["remote_probe_round_trips"] > 0
+    assert updated["planner"]["remote_hit_tokens"] == 0, updated["planner"]
+    assert updated["planner"]["remote_fetches"] == 0, updated["planner"]
+    assert updated["outputs"] == r["plain"]["outputs"]
+    assert r["plain"]["outputs"] != written["reference"], "the weights change nothing"
 
 
 def _corrupt_all(directory: str) -> int:

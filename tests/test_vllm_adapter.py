@@ -146,3 +146,49 @@ def test_bytes_per_block_counts_each_byte_of_a_block_id_once(
     from kvoffload.vllm_adapter import bytes_per_block
 
     assert bytes_per_block(kv_config(tensors, groups)) == pages * PAGE
+
+
+def test_an_untested_vllm_gets_one_warning_naming_the_tested_versions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import logging
+
+    import vllm
+
+    from kvoffload.vllm_adapter import version
+
+    assert version.untested_vllm_message("0.32.0") is None
+    assert version.untested_vllm_message("0.33.1rc1+cu130") is None
+    for untested in ("0.31.2", "0.34.0", "1.0.0", "unknown"):
+        message = version.untested_vllm_message(untested)
+        assert message is not None
+        assert f"vLLM {untested}" in message
+        assert "tested: 0.32.x, 0.33.x" in message
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("kvoffload-version-test")
+    log.addHandler(Keep())
+    monkeypatch.setattr(version, "_checked", [])
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    assert version.warn_if_untested_vllm(log)
+    assert not version.warn_if_untested_vllm(log)  # once per process
+    assert len(records) == 1
+    assert "vLLM 0.35.0" in records[0]
+    monkeypatch.setattr(version, "_checked", [])
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    assert not version.warn_if_untested_vllm(log)
+    assert len(records) == 1
+
+
+def test_the_running_vllm_is_a_tested_one() -> None:
+    """CI runs these suites on each tested release: the running one must be among them."""
+    import vllm
+
+    from kvoffload.vllm_adapter.version import untested_vllm_message
+
+    assert untested_vllm_message(vllm.__version__) is None

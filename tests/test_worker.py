@@ -190,3 +190,66 @@ def test_shutdown_that_times_out_leaks_the_tensors_instead_of_freeing_them(
     w.shutdown()
     (leaked,) = worker_mod._LEAKED_ON_SHUTDOWN
     assert all(any(t is held for held in leaked[1].values()) for t in kv.values())
+
+
+def test_sleep_mode_waits_for_running_copies_refuses_new_ones_and_resumes_on_restore() -> None:
+    """vLLM's sleep mode: ``unregister_kv_caches`` returns only once the copy running on
+    the KV memory ended; until ``restore_kv_caches`` every copy fails without touching the
+    tensors (their memory is released); afterwards copies run again."""
+    w, kv = make_worker(faults="delay_ms=300")
+    engine = w.engine
+    assert engine is not None
+    source = {k: t[1].clone() for k, t in kv.items()}
+    w.submit(KVOffloadMetadata(store=(1, ids(1), ids(0), ["r"])))
+    wait_on_device(w, 2)  # running: one run per layer
+    w.unregister_kv_caches()
+    # The running store ended before the call returned, and succeeded.
+    meta = w.take_worker_meta()
+    assert meta is not None
+    assert (meta.transfer_ids, meta.ok) == ([1], [True])
+    assert not engine.registered
+    asleep = {k: t.clone() for k, t in kv.items()}
+    w.submit(KVOffloadMetadata(loads=[(2, "s", ids(5), ids(0), True, False)]))
+    w.submit(KVOffloadMetadata(store=(3, ids(2), ids(1), ["r"])))
+    assert w.take_load_errors() == {5}
+    meta = w.take_worker_meta()
+    assert meta is not None
+    assert (meta.transfer_ids, meta.ok) == ([2, 3], [False, False])
+    time.sleep(0.4)  # longer than any copy the faults delay
+    w.poll()
+    assert w.take_worker_meta() is None
+    for k, t in kv.items():
+        assert torch.equal(t, asleep[k]), f"{k} written while unregistered"
+    w.unregister_kv_caches()  # idempotent
+    # Woken up: the memory is back with anything in it; loads fill it again.
+    for t in kv.values():
+        t.zero_()
+    w.restore_kv_caches()
+    w.restore_kv_caches()  # idempotent
+    assert engine.registered
+    w.submit(KVOffloadMetadata(loads=[(4, "s", ids(6), ids(0), True, False)]))
+    assert drain(w, 1) == ([4], [True])
+    for k, t in kv.items():
+        assert torch.equal(t[6], source[k])
+    w.shutdown()
+
+
+def test_sleep_mode_that_outwaits_its_timeout_stops_copying(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy still running after the bounded wait stops the engine for good (logged), so
+    nothing new is submitted against the released memory, even after a wake-up."""
+    monkeypatch.setattr(worker_mod, "SHUTDOWN_TIMEOUT_S", 0.01)
+    errors: list[str] = []
+    monkeypatch.setattr(worker_mod.logger, "error", lambda msg, *a: errors.append(msg % a))
+    w, _ = make_worker(faults="delay_ms=300")
+    w.submit(KVOffloadMetadata(store=(1, ids(1), ids(0), ["r"])))
+    wait_on_device(w, 2)
+    w.unregister_kv_caches()
+    assert len(errors) == 1
+    assert "still running" in errors[0]
+    w.restore_kv_caches()
+    assert "stopped" in errors[-1]
+    w.submit(KVOffloadMetadata(loads=[(2, "s", ids(5), ids(0), True, False)]))
+    assert w.take_load_errors() == {5}
+    w.shutdown()

@@ -38,6 +38,7 @@ from kvoffload.vllm_adapter import (
     requested_kv_cache_layout,
     tensor_parallel_rank,
     unsupported_kv_groups,
+    warn_if_untested_vllm,
     world_size,
 )
 
@@ -66,6 +67,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        warn_if_untested_vllm(logger)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         #: The calls bound straight to the scheduler (see `_route_calls`).
@@ -208,7 +210,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         # The scheduler probes with the keys of tensor rank 0, which writes them too.
         rank = 0 if role == KVConnectorRole.SCHEDULER else tensor_parallel_rank()
-        return remote_layout(vllm_config, block_size(kv_cache_config, vllm_config), rank)
+        return remote_layout(
+            vllm_config, block_size(kv_cache_config, vllm_config), rank, config.kv_cache_version
+        )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -396,6 +400,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics:
         return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # vLLM >= 0.33 sleep mode (``supports_sleep_mode`` is the base's default, True): the
+    # worker releases its KV memory between these two calls.
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
 
     def shutdown(self) -> None:
         if self._worker is not None:

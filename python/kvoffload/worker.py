@@ -23,7 +23,7 @@ from kvoffload.metadata import (
 )
 from kvoffload.stat_deltas import CounterDeltas
 from kvoffload.stats import KVOffloadStats
-from kvoffload.vllm_adapter import kv_regions, logger
+from kvoffload.vllm_adapter import Region, kv_regions, logger
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +75,20 @@ def block_list(raw: bytes) -> list[int]:
     if sys.byteorder == "big":
         ids.byteswap()
     return ids.tolist()
+
+
+def kv_tensor_list(kv_caches: dict[str, Any]) -> list[torch.Tensor]:
+    """Every tensor of vLLM's ``{layer: tensor or tensors}``."""
+    return [
+        t
+        for value in kv_caches.values()
+        for t in (value if isinstance(value, (list, tuple)) else [value])
+    ]
+
+
+def region_tuples(regions: list[Region]) -> list[tuple[int, int, int, int]]:
+    """The ``TransferEngine``'s form of regions."""
+    return [(r.base, r.num_blocks, r.block_bytes, r.block_stride) for r in regions]
 
 
 class OffloadWorker:
@@ -152,16 +166,12 @@ class OffloadWorker:
         backend, device = engine_backend(kv_caches)
         self._cuda = backend == CUDA
         self._kv_caches = dict(kv_caches)
-        tensors = [
-            t
-            for value in kv_caches.values()
-            for t in (value if isinstance(value, (list, tuple)) else [value])
-        ]
+        tensors = kv_tensor_list(kv_caches)
         pool_bytes = self._num_cpu_blocks * per_block
         memory = host_memory()
         try:
             self._engine = TransferEngine(
-                [(r.base, r.num_blocks, r.block_bytes, r.block_stride) for r in regions],
+                region_tuples(regions),
                 self._num_cpu_blocks,
                 tensors,
                 backend=backend,
@@ -374,6 +384,39 @@ class OffloadWorker:
         if self._tier is not None:
             counters = counters + self._tier.stats()
         return self._stats.delta(counters, times=times)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM's sleep mode is about to release the KV memory: stops copying to and from
+        it, waits for the copies running (at most ``SHUTDOWN_TIMEOUT_S``) and lets go of
+        the device regions. Transfers still queued, and every one submitted until
+        ``restore_kv_caches``, fail without copying (reported as failed: loads recompute,
+        stores are never published). The CPU tier keeps its blocks. Idempotent."""
+        engine = self._engine
+        if engine is None or not engine.registered:
+            return
+        try:
+            engine.unregister(SHUTDOWN_TIMEOUT_S)
+        except KVOffloadError as e:
+            # The copies may still run; the engine has stopped, so nothing new starts.
+            logger.error("kvoffload: unregistering the KV caches for sleep mode: %s", e)
+        else:
+            logger.info("kvoffload: KV caches unregistered (sleep mode); copies paused")
+        self.poll()
+
+    def restore_kv_caches(self) -> None:
+        """After vLLM's wake-up: the same KV tensors (remapped) are copied to and from
+        again. Idempotent."""
+        engine = self._engine
+        if engine is None or engine.registered:
+            return
+        regions = kv_regions(self._kv_caches, self._num_gpu_blocks)
+        try:
+            engine.register(region_tuples(regions), kv_tensor_list(self._kv_caches))
+        except KVOffloadError as e:
+            # Copies keep failing (requests recompute); vLLM's wake-up goes on.
+            logger.error("kvoffload: restoring the KV caches after sleep mode: %s", e)
+            return
+        logger.info("kvoffload: KV caches restored after sleep mode; copies resume")
 
     def shutdown(self) -> None:
         if self._tier is not None:

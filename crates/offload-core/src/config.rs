@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::error::ConfigError;
-use crate::tier::RemoteConfig;
+use crate::tier::{parse_kv_cache_version, RemoteConfig, KEY_KV_CACHE_VERSION};
 
 /// Key: total CPU bytes for offloaded KV across all ranks.
 pub const KEY_CPU_BYTES: &str = "cpu_bytes_to_use";
@@ -130,6 +130,9 @@ pub struct OffloadConfig {
     pub remote: Option<RemoteConfig>,
     /// The KV cache layout to ask vLLM for.
     pub kv_cache_layout: KvCacheLayout,
+    /// The operator's version of the weights (`kv_cache_version`), part of the keys of
+    /// every tier that outlives the engine; `None` when not set.
+    pub kv_cache_version: Option<String>,
 }
 
 /// The result of parsing: the config plus warnings the caller should log.
@@ -193,6 +196,10 @@ impl OffloadConfig {
                 })
             }
         };
+        let kv_cache_version = match map.get(KEY_KV_CACHE_VERSION) {
+            None | Some(ConfigValue::Null) => None,
+            Some(v) => Some(parse_kv_cache_version(v)?),
+        };
         let remote = RemoteConfig::from_map(map, &mut warnings)?;
         let cpu_bytes_per_rank = match (per_rank, total) {
             (Some(p), Some(t)) => {
@@ -216,6 +223,7 @@ impl OffloadConfig {
                 KEY_LAZY,
                 KEY_LOAD_MODE,
                 KEY_KV_CACHE_LAYOUT,
+                KEY_KV_CACHE_VERSION,
             ];
             if !known.contains(&key.as_str())
                 && !crate::tier::config::REMOTE_KEYS.contains(&key.as_str())
@@ -236,6 +244,7 @@ impl OffloadConfig {
                 world_size,
                 remote,
                 kv_cache_layout,
+                kv_cache_version,
             },
             warnings,
         })

@@ -50,6 +50,12 @@ impl PyOffloadConfig {
         }
     }
 
+    /// The `kv_cache_version` key (the operator's version of the weights), or `None`.
+    #[getter]
+    fn kv_cache_version(&self) -> Option<String> {
+        self.inner.kv_cache_version.clone()
+    }
+
     /// The remote tier's settings (URLs with passwords masked), or `None` without
     /// `remote_url`.
     #[getter]

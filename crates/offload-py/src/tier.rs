@@ -54,6 +54,7 @@ pub(crate) fn kv_layout(layout: &Bound<'_, PyAny>) -> PyResult<KvLayout> {
         kv_cache_group: n("kv_cache_group")?,
         hash_algo: s("hash_algo")?,
         none_hash_seed: s("none_hash_seed")?,
+        weights: s("weights")?,
     })
 }
 

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use offload_core::transfer::{
-    BackendKind, BlockAccessError, BuildError, Completion, CudaOptions, Direction, FaultPlan,
-    ReadyError, RegionSpec, SubmitError, TransferConfig, TransferEngine, TransferJob,
+    AttachError, BackendKind, BlockAccessError, BuildError, Completion, CudaOptions, Direction,
+    FaultPlan, ReadyError, RegionSpec, SubmitError, TransferConfig, TransferEngine, TransferJob,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -35,6 +35,7 @@ fn submit_err(e: SubmitError) -> PyErr {
         SubmitError::DuplicateJobId { .. } => INVALID_INPUT_ERROR.err(msg),
         SubmitError::QueueFull { .. } => QUEUE_FULL_ERROR.err(msg),
         SubmitError::Shutdown { .. } => ENGINE_SHUTDOWN_ERROR.err(msg),
+        SubmitError::Detached { .. } => TRANSFER_ERROR.err(msg),
         _ => DEVICE_ERROR.err(msg),
     }
 }
@@ -66,6 +67,8 @@ pub(crate) struct PyTransferEngine {
     pub(crate) inner: TransferEngine,
     /// The tensors the regions lie in, referenced while the copy thread may touch them.
     held: Vec<Py<PyAny>>,
+    /// What regions given to `register` are checked against (their tensors' device).
+    kind: BackendKind,
 }
 
 impl Drop for PyTransferEngine {
@@ -251,10 +254,11 @@ impl PyTransferEngine {
             .into_iter()
             .map(|region| checked_region(region, &allocations, &kind))
             .collect::<PyResult<Vec<_>>>()?;
-        let inner = open(py, specs, num_cpu_blocks, hugepages, kind, faults)?;
+        let inner = open(py, specs, num_cpu_blocks, hugepages, kind.clone(), faults)?;
         Ok(Self {
             inner,
             held: tensors.into_iter().map(Bound::unbind).collect(),
+            kind,
         })
     }
 
@@ -289,10 +293,11 @@ impl PyTransferEngine {
                     .map_err(|e| INVALID_INPUT_ERROR.err(e.to_string()))
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let inner = open(py, specs, num_cpu_blocks, hugepages, kind, faults)?;
+        let inner = open(py, specs, num_cpu_blocks, hugepages, kind.clone(), faults)?;
         Ok(Self {
             inner,
             held: Vec::new(),
+            kind,
         })
     }
 
@@ -331,6 +336,53 @@ impl PyTransferEngine {
             wait_event,
         };
         py.detach(|| self.inner.submit(job)).map_err(submit_err)
+    }
+
+    /// Stops copying to and from the KV tensors (their memory is about to be released,
+    /// e.g. vLLM's sleep mode): later submits are refused, queued transfers fail without
+    /// copying (each still completes), and the call returns once no copy touches the
+    /// tensors, which it then lets go of. Waits at most `timeout_s` (without the GIL);
+    /// past it the engine stops for good and this raises (`DeviceError`). Idempotent.
+    #[pyo3(signature = (timeout_s = 5.0))]
+    fn unregister(&mut self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = duration(timeout_s, "timeout_s")?;
+        let inner = &self.inner;
+        py.detach(|| inner.detach_regions(timeout))
+            .map_err(|e| DEVICE_ERROR.err(e.to_string()))?;
+        self.held.clear();
+        Ok(())
+    }
+
+    /// Copies use these KV tensors again (after `unregister`): the same shape of regions
+    /// as at construction (addresses may differ), checked against `tensors` as the
+    /// constructor checks them, and kept referenced from now on.
+    fn register(
+        &mut self,
+        regions: Vec<(u64, u32, usize, usize)>,
+        tensors: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let allocations = tensors
+            .iter()
+            .map(allocation)
+            .collect::<PyResult<Vec<_>>>()?;
+        let specs = regions
+            .into_iter()
+            .map(|region| checked_region(region, &allocations, &self.kind))
+            .collect::<PyResult<Vec<_>>>()?;
+        // SAFETY: every region lies in the storage of one of `tensors`, on the backend's
+        // device (checked above), and `held` keeps those tensors alive while attached.
+        unsafe { self.inner.attach_regions(specs) }.map_err(|e| match e {
+            AttachError::Mismatch { .. } => INVALID_INPUT_ERROR.err(e.to_string()),
+            _ => DEVICE_ERROR.err(e.to_string()),
+        })?;
+        self.held = tensors.into_iter().map(Bound::unbind).collect();
+        Ok(())
+    }
+
+    /// Whether copies may touch the KV tensors (not unregistered).
+    #[getter]
+    fn registered(&self) -> bool {
+        self.inner.is_attached()
     }
 
     /// Completions received so far, without blocking.

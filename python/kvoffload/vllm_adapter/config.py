@@ -25,12 +25,72 @@ def world_size(vllm_config: Any) -> int:
     return int(vllm_config.parallel_config.world_size)
 
 
-def remote_layout(vllm_config: Any, block_size: int, tp_rank: int) -> dict[str, Any]:
+def checkpoint_of(vllm_config: Any) -> str:
+    """The identity of the model's weights (``kvoffload.weights.checkpoint_identity``) of
+    the checkpoint vLLM loads: the model directory or file, or for a hub id its snapshot in
+    the local cache (never downloaded here). Computed once per process and model. A
+    checkpoint that cannot be found is identified by name and revision only, with a
+    warning: set ``kv_cache_version`` whenever its weights change."""
+    model = vllm_config.model_config
+    key = (str(model.model), str(getattr(model, "revision", None)))
+    if key not in _CHECKPOINTS:
+        _CHECKPOINTS[key] = _find_checkpoint(vllm_config)
+    return _CHECKPOINTS[key]
+
+
+_CHECKPOINTS: dict[tuple[str, str], str] = {}
+
+
+def _find_checkpoint(vllm_config: Any) -> str:
+    import os
+    import time
+
+    from kvoffload.vllm_adapter import logger
+    from kvoffload.weights import checkpoint_identity
+
+    model = vllm_config.model_config
+    name, revision = str(model.model), getattr(model, "revision", None)
+    path = name if os.path.exists(name) else None
+    if path is None:
+        try:
+            from huggingface_hub import snapshot_download
+
+            download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+            path = snapshot_download(
+                name, revision=revision, cache_dir=download_dir, local_files_only=True
+            )
+        except Exception as e:
+            logger.warning(
+                "kvoffload: checkpoint of %s not found locally (%s); persisted and shared KV "
+                "is keyed by its name and revision only: set kv_cache_version whenever its "
+                "weights change",
+                name,
+                e,
+            )
+            return f"unresolved:{name}@{revision}"
+    started = time.perf_counter()
+    identity = checkpoint_identity(path)
+    logger.info(
+        "kvoffload: weights of %s identified as %s (%.0f ms)",
+        path,
+        identity,
+        (time.perf_counter() - started) * 1e3,
+    )
+    return identity
+
+
+def remote_layout(
+    vllm_config: Any, block_size: int, tp_rank: int, kv_cache_version: str | None = None
+) -> dict[str, Any]:
     """What decides the meaning of a block's bytes on this rank: the remote tier's keys
-    (``offload_core::tier::KvLayout``). Scheduler and workers build it the same way."""
+    (``offload_core::tier::KvLayout``), the weights included (their checkpoint's identity
+    and the operator's ``kv_cache_version``). Scheduler and workers build it the same
+    way."""
     import os
 
     from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+    from kvoffload.weights import weights_identity
 
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -53,6 +113,7 @@ def remote_layout(vllm_config: Any, block_size: int, tp_rank: int) -> dict[str, 
         "kv_cache_group": 0,
         "hash_algo": str(cache.prefix_caching_hash_algo),
         "none_hash_seed": seed,
+        "weights": weights_identity(checkpoint_of(vllm_config), kv_cache_version),
     }
 
 

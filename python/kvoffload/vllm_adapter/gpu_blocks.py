@@ -25,6 +25,19 @@ def allocated_block_ids_per_group(blocks: Any) -> tuple[list[int], ...]:
     return tuple(blocks.get_block_ids())
 
 
+def counts_null_block_refs(gpu_block_pool: Any) -> bool:
+    """Whether this vLLM's ``BlockPool.touch`` / ``free_blocks`` count references on the
+    null block (vLLM 0.32 does; 0.33 skips it, its ``ref_cnt`` not maintained). Asked of
+    the pool itself, not of a version number: ``free_blocks`` of the null block alone
+    changes nothing else (it never enters the free queue), and its count is put back."""
+    null = gpu_block_pool.null_block
+    before = null.ref_cnt
+    gpu_block_pool.free_blocks([null])
+    counted = null.ref_cnt != before
+    null.ref_cnt = before
+    return counted
+
+
 class GpuBlockHolder:
     """Keeps GPU blocks from reuse while a copy reads them, and gives them back when it
     retired: vLLM's ``BlockPool.touch`` and ``free_blocks``, done on the free queue in
@@ -39,6 +52,7 @@ class GpuBlockHolder:
 
     def __init__(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
+        self._counts_null = counts_null_block_refs(gpu_block_pool)
 
     def hold(self, block_ids: Sequence[int]) -> None:
         """Takes a reference on each block, unlinking those in the free queue."""
@@ -50,7 +64,11 @@ class GpuBlockHolder:
         removed = 0
         for i in block_ids:
             block = blocks[i]
-            if block.ref_cnt or block.is_null:
+            if block.is_null:
+                if self._counts_null:
+                    block.ref_cnt += 1
+                continue
+            if block.ref_cnt:
                 block.ref_cnt += 1
                 continue
             prev = block.prev_free_block
@@ -83,10 +101,15 @@ class GpuBlockHolder:
         caching = pool.enable_caching
         uncached = []
         linked = 0
+        counts_null = self._counts_null
         for i in block_ids:
             block = blocks[i]
+            if block.is_null:
+                if counts_null:
+                    block.ref_cnt -= 1
+                continue
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt == 0:
                 if block._block_hash is None or not caching:
                     uncached.append(block)
                     continue

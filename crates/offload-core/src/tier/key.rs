@@ -10,6 +10,8 @@ use std::fmt;
 
 use super::checksum::checksum;
 use super::TierError;
+use crate::config::ConfigValue;
+use crate::error::ConfigError;
 
 /// The longest block hash a key takes (vLLM's are 32 bytes for sha256, 8 for xxhash).
 pub const MAX_HASH_BYTES: usize = 64;
@@ -17,6 +19,54 @@ pub const MAX_HASH_BYTES: usize = 64;
 pub(crate) const MAX_NAMESPACE_BYTES: usize = 128;
 /// vLLM's `NONE_HASH` seed when `PYTHONHASHSEED` is unset and the hash is cryptographic.
 pub const DEFAULT_NONE_HASH_SEED: &str = "vllm-none-hash";
+/// Key: the operator's version of the weights, part of every persisted or shared block's
+/// key ([`KvLayout::weights`]): bump it after updating weights in place (RL), where the
+/// checkpoint files on disk do not change.
+pub const KEY_KV_CACHE_VERSION: &str = "kv_cache_version";
+/// The longest `kv_cache_version` accepted.
+const MAX_KV_CACHE_VERSION_BYTES: usize = 128;
+
+/// Parses `kv_cache_version`: a string of 1 to 128 characters from `A-Z a-z 0-9 . _ - + : /`,
+/// or a non-negative integer (a training step), kept as its decimal digits.
+pub fn parse_kv_cache_version(value: &ConfigValue) -> Result<String, ConfigError> {
+    let text = match value {
+        ConfigValue::Str(s) => s.clone(),
+        ConfigValue::Int(n) if *n >= 0 => n.to_string(),
+        ConfigValue::Int(_) => {
+            return Err(ConfigError::InvalidValue {
+                key: KEY_KV_CACHE_VERSION.to_string(),
+                value: value.to_string(),
+                reason: "must not be negative",
+            })
+        }
+        other => {
+            return Err(ConfigError::WrongType {
+                key: KEY_KV_CACHE_VERSION.to_string(),
+                expected: "a string (e.g. \"step-1200\") or a non-negative integer",
+                got: other.to_string(),
+            })
+        }
+    };
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "._-+:/".contains(c);
+    let reason = if text.is_empty() {
+        Some("must not be empty")
+    } else if text.len() > MAX_KV_CACHE_VERSION_BYTES {
+        Some("longer than 128 characters")
+    } else if !text.chars().all(allowed) {
+        Some("only A-Z a-z 0-9 . _ - + : / are allowed")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(ConfigError::InvalidValue {
+            key: KEY_KV_CACHE_VERSION.to_string(),
+            value: value.to_string(),
+            reason,
+        }),
+        None => Ok(text),
+    }
+}
+
 /// Bumped when the key layout changes, so old and new engines never read each other.
 const KEY_VERSION: &str = "v1";
 
@@ -38,9 +88,13 @@ const KEY_VERSION: &str = "v1";
 ///     kv_cache_group: 0,
 ///     hash_algo: "sha256".into(),
 ///     none_hash_seed: "vllm-none-hash".into(),
+///     weights: "checkpoint:5f1c...".into(),
 /// };
 /// let rank1 = KvLayout { tp_rank: 1, ..rank0.clone() };
 /// assert_ne!(rank0.fingerprint(), rank1.fingerprint());
+/// // Other weights under the same name (a fine-tune, an RL update): other keys.
+/// let updated = KvLayout { weights: "checkpoint:5f1c...|kv_cache_version=7".into(), ..rank0.clone() };
+/// assert_ne!(rank0.fingerprint(), updated.fingerprint());
 /// assert_eq!(rank0.fingerprint(), rank0.clone().fingerprint());
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +121,10 @@ pub struct KvLayout {
     pub hash_algo: String,
     /// The seed vLLM derived `NONE_HASH` from (`kv_cache_utils.get_none_hash_seed()`).
     pub none_hash_seed: String,
+    /// Which weights computed the KV: a digest of the checkpoint's files (names, sizes,
+    /// headers, sampled bytes) and the operator's `kv_cache_version`, so a tier that
+    /// outlives the engine never serves blocks of other weights under the same name.
+    pub weights: String,
 }
 
 /// A 128-bit digest of a [`KvLayout`].
@@ -89,6 +147,7 @@ impl KvLayout {
             &self.dtype,
             &self.hash_algo,
             &self.none_hash_seed,
+            &self.weights,
         ] {
             buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
             buf.extend_from_slice(s.as_bytes());
@@ -228,6 +287,7 @@ mod tests {
             kv_cache_group: 0,
             hash_algo: "sha256".into(),
             none_hash_seed: DEFAULT_NONE_HASH_SEED.into(),
+            weights: "checkpoint:0".into(),
         }
     }
 
@@ -279,6 +339,10 @@ mod tests {
                 none_hash_seed: "42".into(),
                 ..layout()
             },
+            KvLayout {
+                weights: "checkpoint:1".into(),
+                ..layout()
+            },
             // Length prefixes keep field boundaries: "m"+"bfloat16" is not "mb"+"float16".
             KvLayout {
                 model_id: "mb".into(),
@@ -288,6 +352,27 @@ mod tests {
         ];
         for v in variants {
             assert_ne!(v.fingerprint(), base, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn kv_cache_version_takes_names_and_steps_and_names_the_key_when_bad() {
+        let ok = |v: ConfigValue| parse_kv_cache_version(&v).unwrap();
+        assert_eq!(
+            ok(ConfigValue::Str("rl-step:12/a.b+c_d".into())),
+            "rl-step:12/a.b+c_d"
+        );
+        assert_eq!(ok(ConfigValue::Int(1200)), "1200");
+        for bad in [
+            ConfigValue::Str(String::new()),
+            ConfigValue::Str("has space".into()),
+            ConfigValue::Str("x".repeat(129)),
+            ConfigValue::Int(-1),
+            ConfigValue::Bool(true),
+            ConfigValue::Float(1.5),
+        ] {
+            let err = parse_kv_cache_version(&bad).unwrap_err().to_string();
+            assert!(err.contains("kv_cache_version"), "{err}");
         }
     }
 

@@ -64,8 +64,8 @@ use thiserror::Error;
 pub use blocks::{FetchedBlock, RemoteTier};
 pub use config::RemoteConfig;
 pub use key::{
-    sharing_problem, KeySpace, KvLayout, LayoutFingerprint, RemoteKey, DEFAULT_NONE_HASH_SEED,
-    MAX_HASH_BYTES,
+    parse_kv_cache_version, sharing_problem, KeySpace, KvLayout, LayoutFingerprint, RemoteKey,
+    DEFAULT_NONE_HASH_SEED, KEY_KV_CACHE_VERSION, MAX_HASH_BYTES,
 };
 pub use memory::MemoryStore;
 pub use probe::ProbeQueue;

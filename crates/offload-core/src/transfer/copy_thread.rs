@@ -218,6 +218,13 @@ impl<B: CopyBackend> CopyThread<B> {
             self.push_finished(&job, Err(err));
             return;
         }
+        // Read once: a detach waits for this job (it is unfinished) once the copies used
+        // these regions, and a job started after it finds none.
+        let Some(regions) = self.shared.attachment.current() else {
+            let id = job.id;
+            self.push_finished(&job, Err(JobError::Detached { id }));
+            return;
+        };
         if let Err(err) = validate(&self.layout, &job, &mut self.seen) {
             log::debug!("job {} rejected: {err}", job.id);
             self.push_finished(&job, Err(err));
@@ -230,7 +237,7 @@ impl<B: CopyBackend> CopyThread<B> {
         self.groups.clear();
         self.runs.clear();
         group_consecutive(&job.pairs, &mut self.groups);
-        for (region, offset) in self.layout.regions.iter().zip(&self.layout.cpu_offsets) {
+        for (region, offset) in regions.iter().zip(&self.layout.cpu_offsets) {
             let area = self.host_base + *offset as u64;
             emit_runs(region, area, job.direction, &self.groups, &mut self.runs);
         }

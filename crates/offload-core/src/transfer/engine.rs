@@ -66,7 +66,7 @@ impl Inbox {
 pub struct TransferEngine {
     layout: Arc<Layout>,
     memory: Arc<HostMemory>,
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     /// One queue per lane (loads, stores).
     jobs: Option<[Sender<TransferJob>; 2]>,
     /// Dropped to wake the copy thread for shutdown; never sent on.
@@ -154,6 +154,7 @@ impl TransferEngine {
         let layout = Arc::new(Layout::new(regions, num_cpu_blocks)?);
         let memory = Arc::new(HostMemory::with_options(layout.host_len(), &config.memory)?);
         let shared = Arc::new(Shared::default());
+        shared.attachment.set(Some(layout.regions.clone().into()));
         let (loads_tx, loads_rx) = bounded(config.queue_capacity);
         let (stores_tx, stores_rx) = bounded(config.queue_capacity);
         let (stop_tx, stop_rx) = bounded(1);
@@ -213,6 +214,9 @@ impl TransferEngine {
         let Some(jobs) = self.jobs.as_ref() else {
             return Err(SubmitError::Shutdown { id });
         };
+        if !self.is_attached() {
+            return Err(SubmitError::Detached { id });
+        }
         if !self.lock_inbox().in_flight.insert(id) {
             return Err(SubmitError::DuplicateJobId { id });
         }

@@ -74,6 +74,12 @@ pub enum SubmitError {
         /// Why the engine stopped.
         reason: String,
     },
+    /// The device regions are detached (the server released its KV memory).
+    #[error("KV caches unregistered (device regions detached); job {id} not queued")]
+    Detached {
+        /// The job's id.
+        id: u64,
+    },
 }
 
 /// Why a job failed: the `result` of its [`Completion`](super::Completion). Whatever the
@@ -121,6 +127,12 @@ pub enum JobError {
     Stopped {
         /// Why the engine stopped.
         reason: String,
+    },
+    /// The device regions were detached before the job started: nothing was copied.
+    #[error("KV caches unregistered (device regions detached); job {id} not run")]
+    Detached {
+        /// The job's id.
+        id: u64,
     },
 }
 

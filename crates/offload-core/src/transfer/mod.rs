@@ -46,6 +46,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod attachment;
 mod backend;
 mod config;
 mod copy_thread;
@@ -62,6 +63,7 @@ mod shared;
 mod stats;
 mod types;
 
+pub use attachment::{AttachError, DetachError};
 pub use backend::{BackendError, CopyBackend, Ticket};
 pub use config::{BackendKind, TransferConfig};
 pub use cuda::{BatchApi, CudaCopyBackend, CudaDriver, CudaError, CudaOptions, MAX_BATCH_COPIES};

@@ -29,7 +29,9 @@ impl RegionSpec {
     /// - for every block id `i < num_blocks`, the `block_bytes` bytes at
     ///   `base + i * block_stride` must be valid for reads and writes by the engine's backend
     ///   (host memory for [`HostCopyBackend`](super::HostCopyBackend), device memory for a
-    ///   device backend) and must not be freed or remapped;
+    ///   device backend) and must not be freed or remapped, except between a
+    ///   [`detach_regions`](super::TransferEngine::detach_regions) that returned `Ok` and the
+    ///   next [`attach_regions`](super::TransferEngine::attach_regions);
     /// - while a job that reads or writes a block is in flight (submitted and its
     ///   [`Completion`](super::Completion) not yet received), nothing else may write that
     ///   block, nor read it if the job writes it (vLLM guarantees this by pinning the blocks

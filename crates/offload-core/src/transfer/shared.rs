@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+use super::attachment::Attachment;
 use super::stats::Counters;
 
 #[derive(Debug, Default)]
@@ -19,6 +20,8 @@ pub(crate) struct Shared {
     /// touches host memory.
     pub(crate) unfinished: AtomicU64,
     pub(crate) counters: Counters,
+    /// The device regions copies use; `None` while detached (see `attachment`).
+    pub(crate) attachment: Attachment,
 }
 
 impl Shared {

@@ -202,6 +202,7 @@ pub fn layout(tp_rank: u32) -> KvLayout {
         kv_cache_group: 0,
         hash_algo: "sha256".into(),
         none_hash_seed: "vllm-none-hash".into(),
+        weights: "checkpoint:test".into(),
     }
 }
 
