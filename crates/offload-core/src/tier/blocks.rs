@@ -128,6 +128,7 @@ impl RemoteTier {
         let fp = self.keys.fingerprint();
         let mut out = Vec::with_capacity(answers.len());
         let mut first = true;
+        let mut rejected = Vec::new();
         for ((answer, hash), key) in answers.into_iter().zip(hashes).zip(&keys) {
             let block = match answer {
                 Ok(Some(value)) => match decode(&value, fp, hash.as_ref(), block_bytes) {
@@ -141,6 +142,7 @@ impl RemoteTier {
                     Err(e) => {
                         bump(&self.stats.corrupt_values, 1);
                         log::warn!("kvoffload: remote value {key} rejected ({e}); recomputing");
+                        rejected.push(key.clone());
                         None
                     }
                 },
@@ -154,6 +156,9 @@ impl RemoteTier {
                 }
             };
             out.push(block);
+        }
+        if !rejected.is_empty() {
+            self.store.discard(&rejected);
         }
         Ok(out)
     }

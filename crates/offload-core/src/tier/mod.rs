@@ -8,8 +8,10 @@
 //!
 //! Layers, bottom up:
 //! - [`RemoteStore`]: raw bytes by key, one round trip per call. [`RedisStore`] speaks to
-//!   Redis Cluster (or Valkey); another store (Mooncake, a file system) implements the
-//!   same trait and nothing above changes. [`MemoryStore`] is one in this process, for
+//!   Redis Cluster (or Valkey); [`disk::DiskStore`] keeps blocks in local files (the
+//!   scheduler checks them through [`disk::DiskProbe`]); [`StackedStore`] puts the disk in
+//!   front of Redis. Another store (Mooncake) implements the same trait and nothing above
+//!   changes. [`MemoryStore`] is one in this process, for
 //!   tests without a server.
 //! - [`KeySpace`] and [`value`]: what a key and a value are for one engine rank
 //!   ([`KvLayout`] decides which blocks are interchangeable).
@@ -50,10 +52,12 @@
 mod blocks;
 mod checksum;
 pub mod config;
+pub mod disk;
 mod key;
 mod memory;
 mod probe;
 mod redis;
+mod stack;
 mod stats;
 pub mod value;
 mod worker;
@@ -70,6 +74,7 @@ pub use key::{
 pub use memory::MemoryStore;
 pub use probe::ProbeQueue;
 pub use redis::{redact_url, RedisStore};
+pub use stack::StackedStore;
 pub use stats::{TierSnapshot, TierStats};
 pub use value::ValueError;
 pub use worker::{FetchRequest, WorkerTier};
@@ -90,6 +95,13 @@ pub trait RemoteStore: Send {
 
     /// Writes each value under its key, replacing what was there.
     fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>>;
+
+    /// Told that the values under `keys` failed verification: a store that can free their
+    /// space (the disk tier) does. The default keeps them (a shared store's values may be
+    /// another engine's business).
+    fn discard(&mut self, keys: &[RemoteKey]) {
+        let _ = keys;
+    }
 
     /// The store for logs (addresses without credentials).
     fn describe(&self) -> String;

@@ -76,6 +76,12 @@ pub enum ValueError {
     Checksum,
 }
 
+/// Bytes of the stored form of a `payload_len`-byte block under a `hash_len`-byte hash
+/// (hashes longer than [`MAX_HASH_BYTES`] are cut to it, as [`encode`] does).
+pub fn encoded_len(hash_len: usize, payload_len: usize) -> usize {
+    FIXED_HEADER + hash_len.min(MAX_HASH_BYTES) + payload_len + TRAILER
+}
+
 /// The stored form of block `hash`'s `payload` for a layout with `fingerprint`.
 ///
 /// `payload` is given in parts (a block's slice of each layer region) and concatenated.
@@ -173,6 +179,7 @@ mod tests {
         let v = encode(FP, HASH, &[&b[..100], &b[100..]]);
         assert_eq!(decode(&v, FP, HASH, b.len()).unwrap(), &b[..]);
         assert_eq!(v, encode(FP, HASH, &[&b]));
+        assert_eq!(v.len(), encoded_len(HASH.len(), b.len()));
     }
 
     #[test]
