@@ -90,7 +90,7 @@ class OffloadWorker:
         # Remote tier: started over the engine's host memory once it exists; fetch reports
         # wait here for the next worker metadata, and each store's (hashes, cpu blocks)
         # until its completion, when the blocks are written behind.
-        self._remote_layout = remote_layout if config.remote is not None else None
+        self._remote_layout = remote_layout if config.has_lower_tier else None
         self._tier: WorkerTier | None = None
         self._fetched: list[tuple[int, int]] = []
         self._write_back: dict[int, tuple[bytes, bytes]] = {}
@@ -205,6 +205,11 @@ class OffloadWorker:
             try:
                 self._tier = WorkerTier(self._engine, self._config, self._remote_layout)
             except KVOffloadError as e:
+                if self._config.disk is not None:
+                    # A disk tier that cannot open (path, lock, space) is a setup error:
+                    # refused at start, not a silent loss of the tier.
+                    logger.error("KVOffloadConnector worker: %s", e)
+                    raise
                 # Fetches planned for this rank then report nothing filled: recomputed.
                 logger.error("kvoffload: remote tier unavailable on this rank: %s", e)
 

@@ -74,6 +74,7 @@ from kvoffload.vllm_adapter.kv_tensors import Region, kv_regions, merge_adjacent
 
 __all__ = [
     "BLOCK_OUTER_LAYOUT",
+    "DISK_HIT_SOURCE",
     "FAULTS_ENV",
     "FULL_KINDS",
     "GROUP_ID_BYTES",
@@ -130,5 +131,7 @@ try:  # vLLM >= 0.31 reports where external hits came from.
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     HOST_HIT_SOURCE: Any = CacheHitSource.HOST
+    DISK_HIT_SOURCE: Any = getattr(CacheHitSource, "DISK", HOST_HIT_SOURCE)
 except ImportError:  # pragma: no cover - older vLLM
     HOST_HIT_SOURCE = None
+    DISK_HIT_SOURCE = None

@@ -64,13 +64,6 @@ impl DiskConfig {
         PathBuf::from(p)
     }
 
-    /// The engine's lock file, `<disk_path>.lock`: one engine per `disk_path`.
-    pub fn engine_lock_path(&self) -> PathBuf {
-        let mut p = self.path.clone().into_os_string();
-        p.push(".lock");
-        PathBuf::from(p)
-    }
-
     /// Parses the disk keys of `map`: `None` unless `kv_offload_backend` is `"disk"`.
     /// `cpu_given` says whether a CPU byte budget was set. Disk keys under `"cpu"` are
     /// named in a warning, as Simple does.

@@ -253,17 +253,6 @@ pub(crate) fn lock_exclusive(file: &File, path: &Path) -> Result<(), DiskError> 
     Err(open_err(path)(e))
 }
 
-/// Opens the engine's lock file at `path` and locks it: held for the engine's life, it
-/// keeps a second engine off the same `disk_path`.
-pub fn engine_lock(path: &Path) -> Result<File, DiskError> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(open_err(dir))?;
-    }
-    let f = open_rw(path, false).map_err(open_err(path))?;
-    lock_exclusive(&f, path)?;
-    Ok(f)
-}
-
 /// Opens the data file: `O_DIRECT` unless `page_cache`, falling back to buffered I/O
 /// where the file system refuses it at open (tmpfs, some network file systems).
 /// [`DataFile::checked`] tries a read once the file has its size.

@@ -15,8 +15,8 @@
 //!
 //! # Files
 //! Each rank owns `<disk_path>.rank_<N>` (data, [`layout`] explains the slots) and
-//! `<...>.idx` (entries), locked exclusively while open; the engine holds
-//! `<disk_path>.lock`, so a second engine on the same `disk_path` is refused at start.
+//! `<...>.idx` (entries), the index locked exclusively while open, so a second engine on
+//! the same `disk_path` is refused at start.
 //! Without `disk_persist` the files are emptied at start and removed at shutdown, as
 //! Simple does; with it they stay, and the next engine rebuilds its index from the
 //! entries (blocks of another layout or capacity are wiped, never served).
@@ -38,7 +38,6 @@ mod store;
 
 pub use config::DiskConfig;
 pub use error::{DiskError, IoKind};
-pub use file::engine_lock as lock_engine;
 pub use reader::DiskProbe;
 pub use stats::{DiskSnapshot, DiskStats};
 pub use store::{DiskOptions, DiskStore, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
