@@ -21,7 +21,7 @@ from kvoffload.metadata import (
     KVOffloadWorkerMetadata,
     StoreSpec,
 )
-from kvoffload.stats import CounterDeltas, KVOffloadStats
+from kvoffload.stats import DISK_GAUGES, CounterDeltas, KVOffloadStats
 from kvoffload.vllm_adapter import kv_regions, logger
 
 if TYPE_CHECKING:
@@ -375,9 +375,12 @@ class OffloadWorker:
             return None
         times, self._times = self._times, {"store": [], "load": []}
         counters = self._engine.stats()
+        gauges = None
         if self._tier is not None:
-            counters = counters + self._tier.stats()
-        return self._stats.delta(counters, times=times)
+            tier = self._tier.stats()
+            gauges = {k: v for k, v in tier if k in DISK_GAUGES}
+            counters = counters + [(k, v) for k, v in tier if k not in DISK_GAUGES]
+        return self._stats.delta(counters, gauges, times=times)
 
     def shutdown(self) -> None:
         if self._tier is not None:
