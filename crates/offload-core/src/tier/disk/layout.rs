@@ -32,7 +32,7 @@ pub(crate) const IDX_HEADER: u64 = 4096;
 /// Bytes of one entry.
 pub(crate) const ENTRY_BYTES: usize = 64;
 /// Slots per set.
-pub(crate) const MAX_WAYS: u64 = 16;
+pub(crate) const MAX_WAYS: u64 = 64;
 
 const FILE_MAGIC: &[u8; 8] = b"KVOFDISK";
 const FILE_VERSION: u32 = 1;

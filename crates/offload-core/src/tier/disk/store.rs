@@ -80,6 +80,9 @@ struct Shared {
     consecutive_errors: AtomicU64,
     disabled: AtomicBool,
     seq: AtomicU64,
+    /// Slot-sized aligned buffers, reused: allocating and zeroing one per I/O costs as
+    /// much as a fast device's read.
+    buffers: Mutex<Vec<AlignedBuf>>,
 }
 
 impl Drop for Shared {
@@ -193,6 +196,7 @@ impl DiskStore {
                 consecutive_errors: AtomicU64::new(0),
                 disabled: AtomicBool::new(false),
                 seq: AtomicU64::new(seq),
+                buffers: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -283,9 +287,19 @@ impl DiskStore {
     fn read_slot(&self, slot: u64) -> Result<Option<Vec<u8>>, IoKind> {
         let s = &self.shared;
         let geo = &s.geo;
-        let mut buf = AlignedBuf::new(geo.slot_bytes as usize);
-        s.data
-            .read(buf.as_mut_slice(), geo.data_offset(slot), &s.faults)?;
+        let mut buf = self.buffer();
+        let read = s
+            .data
+            .read(buf.as_mut_slice(), geo.data_offset(slot), &s.faults);
+        let result = read.map(|()| self.check_slot(slot, &buf));
+        self.give_back(buf);
+        result
+    }
+
+    /// The value in `buf` (slot `slot`'s bytes) if its entry commits to it.
+    fn check_slot(&self, slot: u64, buf: &AlignedBuf) -> Option<Vec<u8>> {
+        let s = &self.shared;
+        let geo = &s.geo;
         let mut raw = [0u8; ENTRY_BYTES];
         let entry = match read_entry(&s.idx, geo, slot, &mut raw) {
             Ok(()) => Entry::decode(&raw),
@@ -298,16 +312,44 @@ impl DiskStore {
             .map(u64::from_le_bytes);
         let intact =
             entry.is_some_and(|e| e.value_len == geo.value_len && Some(e.value_sum) == trailer);
-        Ok(intact.then(|| value.to_vec()))
+        intact.then(|| value.to_vec())
+    }
+
+    fn buffer(&self) -> AlignedBuf {
+        let pooled = self
+            .shared
+            .buffers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        pooled.unwrap_or_else(|| AlignedBuf::new(self.shared.geo.slot_bytes as usize))
+    }
+
+    fn give_back(&self, buf: AlignedBuf) {
+        let mut pool = self
+            .shared
+            .buffers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if pool.len() < 2 * self.shared.io_threads {
+            pool.push(buf);
+        }
     }
 
     fn write_slot(&self, slot: u64, digest: u128, value: &[u8]) -> Result<(), IoKind> {
         let s = &self.shared;
         let geo = &s.geo;
-        let mut buf = AlignedBuf::new(geo.slot_bytes as usize);
-        buf.as_mut_slice()[..value.len()].copy_from_slice(value);
-        s.data
-            .write(buf.as_slice(), geo.data_offset(slot), &s.faults)?;
+        let mut buf = self.buffer();
+        let b = buf.as_mut_slice();
+        b[..value.len()].copy_from_slice(value);
+        // A reused buffer holds another block's tail: the padding is zeroed so nothing
+        // of it reaches the disk.
+        b[value.len()..].fill(0);
+        let written = s
+            .data
+            .write(buf.as_slice(), geo.data_offset(slot), &s.faults);
+        self.give_back(buf);
+        written?;
         let trailer = value
             .get(value.len().saturating_sub(8)..)
             .and_then(|t| <[u8; 8]>::try_from(t).ok())
