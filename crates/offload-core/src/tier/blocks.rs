@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::key::KeySpace;
 use super::stats::{bump, TierStats};
-use super::value::{decode, encode};
+use super::value::{decode, decode_verified, encode};
 use super::{RemoteKey, RemoteStore, TierError};
 
 /// A verified block as fetched: the stored value and where its payload lies in it, so the
@@ -129,6 +129,11 @@ impl RemoteTier {
         let mut out = Vec::with_capacity(answers.len());
         let mut first = true;
         let mut rejected = Vec::new();
+        let decode = if self.store.verifies_checksums() {
+            decode_verified
+        } else {
+            decode
+        };
         for ((answer, hash), key) in answers.into_iter().zip(hashes).zip(&keys) {
             let block = match answer {
                 Ok(Some(value)) => match decode(&value, fp, hash.as_ref(), block_bytes) {

@@ -103,6 +103,12 @@ pub trait RemoteStore: Send {
         let _ = keys;
     }
 
+    /// Whether every value `get` returns had its checksum verified by the store
+    /// (`value::checksum_ok`), so the tier does not compute it again.
+    fn verifies_checksums(&self) -> bool {
+        false
+    }
+
     /// The store for logs (addresses without credentials).
     fn describe(&self) -> String;
 }

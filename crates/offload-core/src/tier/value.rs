@@ -114,6 +114,38 @@ pub fn decode<'a>(
     hash: &[u8],
     block_bytes: usize,
 ) -> Result<&'a [u8], ValueError> {
+    decode_checked(value, fingerprint, hash, block_bytes, true)
+}
+
+/// Whether `value`'s trailer is the checksum of the bytes before it (a store that verifies
+/// values itself, on its own threads, calls this; see [`decode_verified`]).
+pub fn checksum_ok(value: &[u8]) -> bool {
+    let Some(body_end) = value.len().checked_sub(TRAILER) else {
+        return false;
+    };
+    let mut sum = [0u8; 8];
+    sum.copy_from_slice(&value[body_end..]);
+    checksum(CHECKSUM_SEED, &[&value[..body_end]]) == u64::from_le_bytes(sum)
+}
+
+/// [`decode`] of a value whose checksum the store already verified with [`checksum_ok`]:
+/// every other check is made, the checksum is not computed again.
+pub fn decode_verified<'a>(
+    value: &'a [u8],
+    fingerprint: LayoutFingerprint,
+    hash: &[u8],
+    block_bytes: usize,
+) -> Result<&'a [u8], ValueError> {
+    decode_checked(value, fingerprint, hash, block_bytes, false)
+}
+
+fn decode_checked<'a>(
+    value: &'a [u8],
+    fingerprint: LayoutFingerprint,
+    hash: &[u8],
+    block_bytes: usize,
+    sum_it: bool,
+) -> Result<&'a [u8], ValueError> {
     let len = value.len();
     if len < FIXED_HEADER + TRAILER {
         return Err(ValueError::TooShort { len });
@@ -149,9 +181,7 @@ pub fn decode<'a>(
         });
     }
     let body_end = len - TRAILER;
-    let mut sum = [0u8; 8];
-    sum.copy_from_slice(&value[body_end..]);
-    if checksum(CHECKSUM_SEED, &[&value[..body_end]]) != u64::from_le_bytes(sum) {
+    if sum_it && !checksum_ok(value) {
         return Err(ValueError::Checksum);
     }
     // Checked after the checksum: a flipped hash byte is corruption, not another block.

@@ -16,6 +16,7 @@ use super::file::{self, AlignedBuf, DataFile, DiskFaults, FileSet};
 use super::index::{Index, Placement};
 use super::layout::{key_digest, Entry, Geometry, ENTRY_BYTES, IDX_HEADER};
 use super::stats::{DiskSnapshot, DiskStats};
+use crate::tier::value::checksum_ok;
 use crate::tier::{LayoutFingerprint, RemoteKey, RemoteStore, TierError};
 use crate::transfer::FaultPlan;
 
@@ -283,7 +284,8 @@ impl DiskStore {
     }
 
     /// Reads one slot and checks its bytes against the entry's commitment (length and the
-    /// value's trailer); the full checksum is the caller's (`value::decode`).
+    /// value's trailer) and the value's checksum; the header is the caller's
+    /// (`value::decode_verified`).
     fn read_slot(&self, slot: u64) -> Result<Option<Vec<u8>>, IoKind> {
         let s = &self.shared;
         let geo = &s.geo;
@@ -312,7 +314,9 @@ impl DiskStore {
             .map(u64::from_le_bytes);
         let intact =
             entry.is_some_and(|e| e.value_len == geo.value_len && Some(e.value_sum) == trailer);
-        intact.then(|| value.to_vec())
+        // The full checksum here, on the I/O threads, so a batch's blocks are verified in
+        // parallel and a bad one frees its slot (`verifies_checksums`).
+        (intact && checksum_ok(value)).then(|| value.to_vec())
     }
 
     fn buffer(&self) -> AlignedBuf {
@@ -597,6 +601,10 @@ impl RemoteStore for DiskStore {
             }
         }
         self.update_resident(&index);
+    }
+
+    fn verifies_checksums(&self) -> bool {
+        true
     }
 
     fn describe(&self) -> String {
