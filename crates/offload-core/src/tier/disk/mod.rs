@@ -14,7 +14,7 @@
 //! the CPU tier evicts it. A full write queue drops writes (counted), never blocks.
 //!
 //! # Files
-//! Each rank owns `<disk_path>.rank_<N>` (data, [`layout`] explains the slots) and
+//! Each rank owns `<disk_path>.rank_<N>` (data, `layout.rs` explains the slots) and
 //! `<...>.idx` (entries), the index locked exclusively while open, so a second engine on
 //! the same `disk_path` is refused at start.
 //! Without `disk_persist` the files are emptied at start and removed at shutdown, as
