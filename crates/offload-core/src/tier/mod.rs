@@ -38,7 +38,9 @@
 //! remote attempt per prompt length, so no request waits on the store more than one probe
 //! and one fetch, each bounded by the deadline.
 //!
-//! An absent `remote_url` means no tier: nothing here is constructed and nothing runs.
+//! Without `remote_url` and without `kv_offload_backend: "disk"` there is no tier: nothing
+//! here is constructed and nothing runs. With both, the disk sits in front of the remote
+//! store ([`StackedStore`]).
 //!
 //! # Operating the store
 //! The tier never deletes: the store bounds itself. Give every Redis node a `maxmemory`
