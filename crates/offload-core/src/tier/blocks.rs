@@ -214,6 +214,9 @@ impl RemoteTier {
         if matches!(e, TierError::Timeout { .. }) {
             bump(&self.stats.timeouts, 1);
         }
+        if matches!(e, TierError::Disabled { .. }) {
+            return;
+        }
         if std::mem::take(first) {
             log::warn!("kvoffload: remote tier {}: {e}", self.store.describe());
         }

@@ -159,6 +159,13 @@ pub enum TierError {
         /// The deadline.
         timeout_ms: u64,
     },
+    /// The store turned itself off (the disk tier after repeated I/O errors); said once
+    /// by the store, so calls answered this way are counted, not logged.
+    #[error("{store} is off")]
+    Disabled {
+        /// The store, for messages.
+        store: String,
+    },
     /// The store answered with an error, or the connection broke.
     #[error("remote store {op} failed: {reason}")]
     Store {

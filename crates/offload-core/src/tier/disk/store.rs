@@ -246,10 +246,9 @@ impl DiskStore {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn disabled_error(op: &'static str) -> TierError {
-        TierError::Store {
-            op,
-            reason: "disk tier disabled after repeated I/O errors".into(),
+    fn disabled_error(&self) -> TierError {
+        TierError::Disabled {
+            store: format!("disk tier {}", self.shared.files.data.display()),
         }
     }
 
@@ -511,10 +510,7 @@ impl RemoteStore for DiskStore {
 
     fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>> {
         if self.is_disabled() {
-            return entries
-                .iter()
-                .map(|_| Err(Self::disabled_error("put")))
-                .collect();
+            return entries.iter().map(|_| Err(self.disabled_error())).collect();
         }
         let started = Instant::now();
         let s = &self.shared;
