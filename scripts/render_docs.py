@@ -486,6 +486,37 @@ def e2e_table() -> str:
     return f"{head}\n\n" + "\n".join(rows) + "\n"
 
 
+@region("disk-ttft")
+def disk_ttft_table() -> str:
+    d = load_json("benchmarks/disk_ttft.json")
+    p, res, disk = d["params"], d["results"], d["disk"]
+    cols = [("recompute", "recompute (vLLM alone)"), ("cpu", "CPU hit"),
+            ("disk", "disk hit (after a restart)")]  # fmt: skip
+    rows = ["| | " + " | ".join(n for _, n in cols) + " |", "|---|" + "---|" * len(cols)]
+    base = res["recompute"]
+
+    def cells(fmt: Callable[[dict[str, Any]], str]) -> str:
+        return " | ".join(fmt(res[k]) for k, _ in cols)
+
+    rows += ttft_rows(cells, base)
+    rows += [
+        "| prompt tokens from kvoffload / recomputed | "
+        + cells(lambda r: f"{r['connector_hit_tokens']:,} / {r['recomputed_tokens']:,}")
+        + " |",
+        identical_row(cells, base),
+    ]
+    head = (
+        f"{d['model_description']}; {p['users']} users, each a "
+        f"{p['system_tokens']:,}-token document + a {p['question_tokens']}-token question, "
+        f"{p['output_tokens']}-token answers; vLLM KV cache {p['kv_cache_mib']:g} MiB; CPU "
+        f"run: a {p['cpu_mib']:g} MiB pool; disk run: Simple's disk keys with `disk_persist`, "
+        f"no CPU budget, a fresh engine reading what the previous one wrote "
+        f"({disk.get('disk_reads', 0):,} blocks read, "
+        f"{disk.get('disk_bytes_read', 0) / 2**20:,.1f} MiB) ({machine_line(d['machine'])}):"
+    )
+    return f"{head}\n\n" + "\n".join(rows) + "\n"
+
+
 @region("disk-tier")
 def disk_tier_table() -> str:
     d = load_json("benchmarks/disk_tier.json")
