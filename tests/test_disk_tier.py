@@ -158,7 +158,7 @@ def test_injected_disk_faults_cost_misses_never_wrong_tokens(runs: dict[str, Any
 
 KILLED_WRITER = textwrap.dedent(
     """
-    import sys
+    import sys, time
     sys.path.insert(0, {tests!r})
     from vllm_harness import distinct_prompts, engine, generate, shared_prefix_prompts
 
@@ -170,10 +170,11 @@ KILLED_WRITER = textwrap.dedent(
     with engine({model!r}, cfg) as llm:
         generate(llm, shared_prefix_prompts(4, 4))
         print("READY", flush=True)
-        seed = 100
-        while True:  # stores keep going until the parent kills the process
+        # Stores keep going when the parent kills the process; bounded, so the first
+        # prompts' blocks are not evicted from the small disk before the kill.
+        for seed in range(100, 106):
             generate(llm, distinct_prompts(4, 640, seed=seed))
-            seed += 1
+        time.sleep(600)
     """
 )
 
@@ -207,7 +208,7 @@ def test_sigkill_during_stores_then_restart_serves_nothing_half_written(
         for line in proc.stdout:
             if line.startswith("READY") or time.monotonic() > deadline:
                 break
-        time.sleep(2.0)  # mid-stream: the distinct prompts' blocks are being written
+        time.sleep(1.0)  # mid-stream: the distinct prompts' blocks are being written
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
