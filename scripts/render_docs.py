@@ -486,6 +486,75 @@ def e2e_table() -> str:
     return f"{head}\n\n" + "\n".join(rows) + "\n"
 
 
+@region("disk-ttft")
+def disk_ttft_table() -> str:
+    d = load_json("benchmarks/disk_ttft.json")
+    p, res, disk = d["params"], d["results"], d["disk"]
+    cols = [("recompute", "recompute (vLLM alone)"), ("cpu", "CPU hit"),
+            ("disk", "disk hit (after a restart)")]  # fmt: skip
+    rows = ["| | " + " | ".join(n for _, n in cols) + " |", "|---|" + "---|" * len(cols)]
+    base = res["recompute"]
+
+    def cells(fmt: Callable[[dict[str, Any]], str]) -> str:
+        return " | ".join(fmt(res[k]) for k, _ in cols)
+
+    rows += ttft_rows(cells, base)
+    rows += [
+        "| prompt tokens from kvoffload / recomputed | "
+        + cells(lambda r: f"{r['connector_hit_tokens']:,} / {r['recomputed_tokens']:,}")
+        + " |",
+        identical_row(cells, base),
+    ]
+    head = (
+        f"{d['model_description']}; {p['users']} users, each a "
+        f"{p['system_tokens']:,}-token document + a {p['question_tokens']}-token question, "
+        f"{p['output_tokens']}-token answers; vLLM KV cache {p['kv_cache_mib']:g} MiB; CPU "
+        f"run: a {p['cpu_mib']:g} MiB pool; disk run: Simple's disk keys with `disk_persist`, "
+        f"no CPU budget, a fresh engine reading what the previous one wrote "
+        f"({disk.get('disk_reads', 0):,} blocks read, "
+        f"{disk.get('disk_bytes_read', 0) / 2**20:,.1f} MiB) ({machine_line(d['machine'])}):"
+    )
+    return f"{head}\n\n" + "\n".join(rows) + "\n"
+
+
+@region("disk-tier")
+def disk_tier_table() -> str:
+    d = load_json("benchmarks/disk_tier.json")
+    m, r = d["medians"], d["ratios"]
+    gb = "GB/s"
+    rows = [
+        "| | median | vs raw `O_DIRECT` sequential | goal |",
+        "|---|---|---|---|",
+        f"| raw `O_DIRECT` sequential read (4 MiB calls, like `dd iflag=direct`) | "
+        f"{m['raw_read_gbps']:.2f} {gb} | 1.00x | |",
+        f"| disk tier read, blocks in order | {m['tier_read_seq_gbps']:.2f} {gb} | "
+        f"{r['read_seq_vs_raw']:.2f}x | >= 0.90x |",
+        f"| disk tier read, shuffled | {m['tier_read_shuffled_gbps']:.2f} {gb} | "
+        f"{r['read_shuffled_vs_raw']:.2f}x | >= 0.80x |",
+        f"| Python copy of Simple's read loop (one `preadv` at a time, 2 slots) | "
+        f"{m['python_simple_read_gbps']:.2f} {gb} | "
+        f"{m['python_simple_read_gbps'] / m['raw_read_gbps']:.2f}x | tier >= 1.5x this |",
+        f"| raw `O_DIRECT` sequential write | {m['raw_write_gbps']:.2f} {gb} | 1.00x | |",
+        f"| disk tier write | {m['tier_write_gbps']:.2f} {gb} | {r['write_vs_raw']:.2f}x "
+        "| >= 0.85x |",
+    ]
+    rb = d["rebuild"]
+    head = (
+        f"Disk tier bandwidth, `benches/disk_tier.py` ({d['blocks']} blocks of "
+        f"{d['block_bytes'] / 2**20:g} MiB, batches of {d['batch']}, medians of {d['runs']} "
+        f"interleaved runs, {d['filesystem']}, "
+        f"{'O_DIRECT' if d['direct_io'] else 'buffered'}; {machine_line(d['machine'])}):"
+    )
+    tail = (
+        f"Disk tier reads are **{r['read_vs_python_simple']:.2f}x** Simple's loop here. "
+        f"Verifying a block in memory runs at {m['verify_gbps']:.1f} {gb}, "
+        f"{r['checksum_share_of_read']:.0%} of a read's time. A restart rebuilt the index of "
+        f"{rb['blocks']:,.0f} blocks in {rb['open_seconds'] * 1e3:.1f} ms "
+        f"({rb['seconds_per_100k']:.3f} s per 100k blocks; goal <= 1 s)."
+    )
+    return f"{head}\n\n" + "\n".join(rows) + f"\n\n{tail}\n"
+
+
 @region("remote-tier")
 def remote_tier_table() -> str:
     d = load_json("benchmarks/remote_tier.json")

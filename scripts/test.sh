@@ -31,6 +31,7 @@ cargo test -p offload-core --release
 
 step "embedded server example (every reloaded byte verified)"
 cargo run --release -q -p offload-core --example embedded_server
+cargo run --release -q -p offload-core --example disk_tier "${TMPDIR:-/tmp}/kvoffload-disk-example-$$"
 
 step "cargo doc (no warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc -p offload-core --no-deps -q

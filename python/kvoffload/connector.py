@@ -10,6 +10,7 @@ from kvoffload.prometheus import KVOffloadPromMetrics
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.stats import KVOffloadStats
 from kvoffload.vllm_adapter import (
+    DISK_HIT_SOURCE,
     HOST_HIT_SOURCE,
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -112,6 +113,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             )
             logger.error(msg)
             raise ConfigError(msg)
+        if config.disk is not None:
+            config = self._disk_setup(config, vllm_config, kv_cache_config)
         layout = self._remote_layout(config, vllm_config, kv_cache_config, role)
         if role != KVConnectorRole.SCHEDULER:
             from kvoffload.worker import OffloadWorker
@@ -196,15 +199,31 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 setattr(self, name, target)
                 self._routed.append(name)
 
+    def _disk_setup(self, config: Any, vllm_config: Any, kv_cache_config: Any) -> Any:
+        """The config with host memory sized to stage the disk when no CPU budget was
+        given (Simple's disk mode): ``disk_buffer_slots`` blocks, or what one request's hit
+        needs at once if more (a disk hit goes through CPU blocks before it loads)."""
+        if DISK_HIT_SOURCE is not None:
+            self._cache_hit_source = DISK_HIT_SOURCE
+        blocks = -(
+            -int(vllm_config.model_config.max_model_len) // block_size(kv_cache_config, vllm_config)
+        )
+        return config.staged(blocks, bytes_per_block(kv_cache_config))
+
     @staticmethod
     def _remote_layout(
         config: Any, vllm_config: Any, kv_cache_config: Any, role: Any
     ) -> dict[str, Any] | None:
         """This rank's remote-tier keys, or ``None`` without a remote tier (or when this
         engine cannot share blocks: said once, with the fix)."""
-        if config.remote is None:
+        if not config.has_lower_tier:
             return None
-        why = remote_unsupported(vllm_config, kv_group_kinds(kv_cache_config))
+        shared = config.remote is not None or bool(config.disk["persist"])
+        why = remote_unsupported(vllm_config, kv_group_kinds(kv_cache_config), shared=shared)
+        if why is not None and config.disk is not None:
+            msg = f"KVOffloadConnector: the disk tier cannot serve this engine: {why}"
+            logger.error(msg)
+            raise ConfigError(msg)
         if why is not None:
             logger.warning("KVOffloadConnector: remote tier disabled: %s", why)
             return None

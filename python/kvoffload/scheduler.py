@@ -53,8 +53,8 @@ class OffloadScheduler:
         # The remote tier's settings and keys; workers write stored blocks behind when
         # `remote_write` is on, so each store's hashes go with it.
         self._config = config
-        self._remote_layout = remote_layout if config.remote is not None else None
-        self._remote_writes = self._remote_layout is not None and bool(config.remote["write"])
+        self._remote_layout = remote_layout if config.has_lower_tier else None
+        self._remote_writes = self._remote_layout is not None and config.writes_lower
         self._use_planner(self._new_planner(num_cpu_blocks))
         # Several groups: vLLM's block ids of every group go to the planner.
         self._multi_group = self._planner.num_groups > 1 or (

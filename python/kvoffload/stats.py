@@ -114,6 +114,66 @@ COUNTER_SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "Bytes written to the remote tier, summed over ranks.",
     ),
+    "disk_bytes_read": (
+        "vllm:kv_offload_disk_read_bytes",
+        (),
+        "Bytes read from the disk tier's files, summed over ranks.",
+    ),
+    "disk_bytes_written": (
+        "vllm:kv_offload_disk_written_bytes",
+        (),
+        "Bytes written to the disk tier's files, summed over ranks.",
+    ),
+    "disk_read_micros": (
+        "vllm:kv_offload_disk_read_microseconds",
+        (),
+        "Time spent in disk-tier read batches, summed over ranks.",
+    ),
+    "disk_write_micros": (
+        "vllm:kv_offload_disk_write_microseconds",
+        (),
+        "Time spent in disk-tier write batches, summed over ranks.",
+    ),
+    "disk_checksum_failures": (
+        "vllm:kv_offload_disk_checksum_failures",
+        (),
+        "Disk blocks that failed a check on read: misses, recomputed, slot freed.",
+    ),
+    "disk_recovered_blocks": (
+        "vllm:kv_offload_disk_recovered_blocks",
+        (),
+        "Blocks found intact on disk at start (disk_persist), summed over ranks.",
+    ),
+    "disk_evictions": (
+        "vllm:kv_offload_disk_evicted_blocks",
+        (),
+        "Disk blocks evicted (LRU) to make room, summed over ranks.",
+    ),
+    "disk_errors_enospc": (
+        "vllm:kv_offload_disk_io_errors",
+        ("enospc",),
+        "Disk-tier I/Os that failed, by kind: a write is skipped, a read recomputed.",
+    ),
+    "disk_errors_eio": (
+        "vllm:kv_offload_disk_io_errors",
+        ("eio",),
+        "Disk-tier I/Os that failed, by kind: a write is skipped, a read recomputed.",
+    ),
+    "disk_errors_einval": (
+        "vllm:kv_offload_disk_io_errors",
+        ("einval",),
+        "Disk-tier I/Os that failed, by kind: a write is skipped, a read recomputed.",
+    ),
+    "disk_errors_short": (
+        "vllm:kv_offload_disk_io_errors",
+        ("short",),
+        "Disk-tier I/Os that failed, by kind: a write is skipped, a read recomputed.",
+    ),
+    "disk_errors_other": (
+        "vllm:kv_offload_disk_io_errors",
+        ("other",),
+        "Disk-tier I/Os that failed, by kind: a write is skipped, a read recomputed.",
+    ),
 }
 
 #: Series whose single extra label is named here.
@@ -121,6 +181,7 @@ LABEL_OF = {
     "vllm:kv_offload_failed_transfers": "direction",
     "vllm:kv_offload_skipped_store_blocks": "reason",
     "vllm:kv_offload_remote_failed_blocks": "direction",
+    "vllm:kv_offload_disk_io_errors": "kind",
 }
 
 GAUGE_SERIES = {
@@ -129,7 +190,18 @@ GAUGE_SERIES = {
         "CPU blocks holding KV or being written (cached and in-flight), per rank.",
     ),
     "cpu_blocks_capacity": ("vllm:kv_offload_cpu_blocks_capacity", "CPU blocks per rank."),
+    "disk_resident_blocks": ("vllm:kv_offload_disk_blocks_used", "Disk blocks held, per rank."),
+    "disk_capacity_blocks": ("vllm:kv_offload_disk_blocks_capacity", "Disk blocks per rank."),
+    "disk_disabled": (
+        "vllm:kv_offload_disk_disabled",
+        "1 once repeated I/O errors turned the disk tier off on a rank.",
+    ),
 }
+
+#: Values of the disk tier's counters that are levels, reported as gauges.
+DISK_GAUGES = frozenset(
+    ("disk_resident_blocks", "disk_capacity_blocks", "disk_capacity_bytes", "disk_disabled")
+)
 
 TIME_SERIES = {
     "store": "vllm:kv_offload_store_seconds",

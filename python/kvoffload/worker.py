@@ -22,7 +22,7 @@ from kvoffload.metadata import (
     StoreSpec,
 )
 from kvoffload.stat_deltas import CounterDeltas
-from kvoffload.stats import KVOffloadStats
+from kvoffload.stats import DISK_GAUGES, KVOffloadStats
 from kvoffload.vllm_adapter import Region, kv_regions, logger
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class OffloadWorker:
         # Remote tier: started over the engine's host memory once it exists; fetch reports
         # wait here for the next worker metadata, and each store's (hashes, cpu blocks)
         # until its completion, when the blocks are written behind.
-        self._remote_layout = remote_layout if config.remote is not None else None
+        self._remote_layout = remote_layout if config.has_lower_tier else None
         self._tier: WorkerTier | None = None
         self._fetched: list[tuple[int, int]] = []
         self._write_back: dict[int, tuple[bytes, bytes]] = {}
@@ -216,6 +216,11 @@ class OffloadWorker:
             try:
                 self._tier = WorkerTier(self._engine, self._config, self._remote_layout)
             except KVOffloadError as e:
+                if self._config.disk is not None:
+                    # A disk tier that cannot open (path, lock, space) is a setup error:
+                    # refused at start, not a silent loss of the tier.
+                    logger.error("KVOffloadConnector worker: %s", e)
+                    raise
                 # Fetches planned for this rank then report nothing filled: recomputed.
                 logger.error("kvoffload: remote tier unavailable on this rank: %s", e)
 
@@ -381,9 +386,12 @@ class OffloadWorker:
             return None
         times, self._times = self._times, {"store": [], "load": []}
         counters = self._engine.stats()
+        gauges = None
         if self._tier is not None:
-            counters = counters + self._tier.stats()
-        return self._stats.delta(counters, times=times)
+            tier = self._tier.stats()
+            gauges = {k: v for k, v in tier if k in DISK_GAUGES}
+            counters = counters + [(k, v) for k, v in tier if k not in DISK_GAUGES]
+        return self._stats.delta(counters, gauges, times=times)
 
     def unregister_kv_caches(self) -> None:
         """vLLM's sleep mode is about to release the KV memory: stops copying to and from

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::error::ConfigError;
+use crate::tier::disk::DiskConfig;
 use crate::tier::{parse_kv_cache_version, RemoteConfig, KEY_KV_CACHE_VERSION};
 
 /// Key: total CPU bytes for offloaded KV across all ranks.
@@ -128,6 +129,8 @@ pub struct OffloadConfig {
     pub world_size: u32,
     /// The remote tier, `None` without `remote_url`.
     pub remote: Option<RemoteConfig>,
+    /// The disk tier, `None` unless `kv_offload_backend` is `"disk"`.
+    pub disk: Option<DiskConfig>,
     /// The KV cache layout to ask vLLM for.
     pub kv_cache_layout: KvCacheLayout,
     /// The operator's version of the weights (`kv_cache_version`), part of the keys of
@@ -201,6 +204,7 @@ impl OffloadConfig {
             Some(v) => Some(parse_kv_cache_version(v)?),
         };
         let remote = RemoteConfig::from_map(map, &mut warnings)?;
+        let disk = DiskConfig::from_map(map, total.is_some() || per_rank.is_some(), &mut warnings)?;
         let cpu_bytes_per_rank = match (per_rank, total) {
             (Some(p), Some(t)) => {
                 let split = t / u64::from(world_size);
@@ -214,6 +218,9 @@ impl OffloadConfig {
             }
             (Some(p), None) => p,
             (None, Some(t)) => split_total(t, world_size)?,
+            // The disk tier without a CPU budget: host memory only stages, sized by
+            // `stage_for` once the block size is known.
+            (None, None) if disk.is_some() => 0,
             (None, None) => split_total(DEFAULT_CPU_BYTES, world_size)?,
         };
         for key in map.keys() {
@@ -227,6 +234,7 @@ impl OffloadConfig {
             ];
             if !known.contains(&key.as_str())
                 && !crate::tier::config::REMOTE_KEYS.contains(&key.as_str())
+                && !crate::tier::disk::config::DISK_KEYS.contains(&key.as_str())
                 && !key.starts_with("kvoffload.")
             {
                 warnings.push(format!("unknown kvoffload config key `{key}` is ignored"));
@@ -243,11 +251,29 @@ impl OffloadConfig {
                 faults,
                 world_size,
                 remote,
+                disk,
                 kv_cache_layout,
                 kv_cache_version,
             },
             warnings,
         })
+    }
+
+    /// Whether host memory only stages the disk tier (`kv_offload_backend` `"disk"`
+    /// without a CPU budget, as Simple's disk mode).
+    pub fn cpu_stages_only(&self) -> bool {
+        self.disk.as_ref().is_some_and(|d| !d.cpu_in_front)
+    }
+
+    /// Sizes the staging pool when host memory only stages the disk: the larger of
+    /// `disk_buffer_slots` and `serve_blocks` (the blocks one request's hit needs at once,
+    /// since a disk hit is brought into CPU blocks before it loads) blocks of
+    /// `bytes_per_block`. Does nothing otherwise.
+    pub fn stage_for(&mut self, serve_blocks: u32, bytes_per_block: u64) {
+        if let Some(d) = self.disk.as_ref().filter(|d| !d.cpu_in_front) {
+            let blocks = u64::from(d.buffer_slots.max(serve_blocks));
+            self.cpu_bytes_per_rank = blocks.saturating_mul(bytes_per_block);
+        }
     }
 
     /// How many CPU blocks of `bytes_per_block` fit this rank's budget.

@@ -73,6 +73,49 @@ impl PyOffloadConfig {
         Ok(Some(d))
     }
 
+    /// The disk tier's settings, or `None` unless `kv_offload_backend` is `"disk"`.
+    #[getter]
+    fn disk<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(d) = &self.inner.disk else {
+            return Ok(None);
+        };
+        let out = PyDict::new(py);
+        out.set_item("path", d.path.to_string_lossy())?;
+        out.set_item("capacity_bytes", d.capacity_bytes)?;
+        out.set_item("buffer_slots", d.buffer_slots)?;
+        out.set_item("use_page_cache", d.use_page_cache)?;
+        out.set_item("persist", d.persist)?;
+        out.set_item("cpu_in_front", d.cpu_in_front)?;
+        Ok(Some(out))
+    }
+
+    /// Whether a tier below the CPU (disk, remote or both) is configured.
+    #[getter]
+    fn has_lower_tier(&self) -> bool {
+        self.inner.disk.is_some() || self.inner.remote.is_some()
+    }
+
+    /// Whether stored blocks are written to a lower tier (the disk always; the remote
+    /// store unless `remote_write` is off).
+    #[getter]
+    fn writes_lower(&self) -> bool {
+        self.inner.disk.is_some() || self.inner.remote.as_ref().is_some_and(|r| r.write)
+    }
+
+    /// Whether host memory only stages the disk tier (no CPU budget given).
+    #[getter]
+    fn cpu_stages_only(&self) -> bool {
+        self.inner.cpu_stages_only()
+    }
+
+    /// This config with the staging pool sized for `serve_blocks` blocks of
+    /// `bytes_per_block` (see `OffloadConfig::stage_for`); unchanged without staging.
+    fn staged(&self, serve_blocks: u32, bytes_per_block: u64) -> Self {
+        let mut inner = self.inner.clone();
+        inner.stage_for(serve_blocks, bytes_per_block);
+        Self { inner }
+    }
+
     /// Whether loads are synchronous, given where vLLM keeps the KV cache.
     fn sync_loads(&self, kv_in_host_memory: bool) -> bool {
         self.inner.load_mode.is_sync(kv_in_host_memory)

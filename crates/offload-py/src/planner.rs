@@ -22,7 +22,7 @@ use crate::step::{
     all_group_ids, group0_ids, lazy_candidates, req_id, same_len, scheduled_requests, step_lists,
     step_or_none, step_to_py, StepTuple,
 };
-use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of, tier_counters};
+use crate::tier::{check_lower, connect, hashes_to_bytes, kv_layout, tier_counters, Side};
 use crate::transfer::ids_from_bytes;
 
 /// `(id, req_id, hashes, cpu_blocks)`: 16-byte hashes, little-endian u32 block ids.
@@ -134,19 +134,20 @@ impl PyPlanner {
         })
     }
 
-    /// Connects a remote tier (blocking up to its deadline) with the keys of `layout`
-    /// (a mapping of `offload_core::tier::KvLayout`'s fields) and uses it in lookups.
+    /// Connects the tiers below the CPU (disk, remote store; blocking up to the remote
+    /// deadline) with the keys of `layout` (a mapping of `offload_core::tier::KvLayout`'s
+    /// fields) and uses them in lookups.
     fn attach_remote(
         &mut self,
         py: Python<'_>,
         config: &PyOffloadConfig,
         layout: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let remote = remote_of(config)?.clone();
+        check_lower(config)?;
         let layout = kv_layout(layout)?;
         let stats = Arc::new(TierStats::default());
         let probes = py.detach(|| -> PyResult<ProbeQueue> {
-            let tier = connect(&remote, &layout, &stats)?;
+            let tier = connect(config, &layout, &stats, Side::Scheduler)?;
             ProbeQueue::spawn(tier)
                 .map_err(|e| REMOTE_TIER_ERROR.err(format!("cannot start the remote tier: {e}")))
         })?;

@@ -5,10 +5,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use offload_core::tier::config::DEFAULT_REMOTE_NAMESPACE;
+use offload_core::tier::disk::{DiskOptions, DiskProbe, DiskStats, DiskStore};
+use offload_core::tier::value::encoded_len;
 use offload_core::tier::{
-    sharing_problem, FetchRequest, KeySpace, KvLayout, RedisStore, RemoteConfig, RemoteTier,
-    TierSnapshot, TierStats, WorkerTier,
+    sharing_problem, FetchRequest, KeySpace, KvLayout, RedisStore, RemoteStore, RemoteTier,
+    StackedStore, TierSnapshot, TierStats, WorkerTier,
 };
+use offload_core::transfer::FaultPlan;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyMapping};
 
@@ -19,6 +23,10 @@ use crate::transfer::{ids_from_bytes, PyTransferEngine};
 
 /// Bytes of one block hash in the remote tier's keys (the index's 128 bits).
 pub(crate) const HASH_BYTES: usize = 16;
+
+/// The write-behind queue's bound with a disk tier and no remote one.
+const DEFAULT_MAX_INFLIGHT_BYTES: u64 =
+    offload_core::tier::config::DEFAULT_REMOTE_MAX_INFLIGHT_BYTES;
 
 /// A [`KvLayout`] from a mapping with one entry per field.
 pub(crate) fn kv_layout(layout: &Bound<'_, PyAny>) -> PyResult<KvLayout> {
@@ -58,25 +66,85 @@ pub(crate) fn kv_layout(layout: &Bound<'_, PyAny>) -> PyResult<KvLayout> {
     })
 }
 
-/// The remote settings of `config`, or an error saying there are none.
-pub(crate) fn remote_of(config: &PyOffloadConfig) -> PyResult<&RemoteConfig> {
-    config
-        .inner
-        .remote
-        .as_ref()
-        .ok_or_else(|| INVALID_INPUT_ERROR.err("the config has no remote_url"))
+/// Who opens the tiers below the CPU: the scheduler only checks existence (and holds
+/// the engine's lock on the disk path); a worker rank owns its disk files.
+pub(crate) enum Side<'a> {
+    Scheduler,
+    Worker {
+        /// Bytes of one CPU block on this rank.
+        block_bytes: usize,
+        /// The rank's disk store, opened once and shared by its fetch and write tiers.
+        disk: &'a mut Option<DiskStore>,
+    },
 }
 
-/// Connects to the store (blocking up to its deadline) for `layout`'s keys.
+/// An error unless `config` has a tier below the CPU.
+pub(crate) fn check_lower(config: &PyOffloadConfig) -> PyResult<()> {
+    let c = &config.inner;
+    if c.remote.is_none() && c.disk.is_none() {
+        return Err(INVALID_INPUT_ERROR.err(
+            "the config has no tier below the CPU (no remote_url, kv_offload_backend not \"disk\")",
+        ));
+    }
+    Ok(())
+}
+
+/// The tiers below the CPU for `layout`'s keys: the disk (when configured) in front of
+/// the remote store (when configured), connecting (blocking up to its deadline) and
+/// opening files now so a bad path or URL is named at start.
 pub(crate) fn connect(
-    remote: &RemoteConfig,
+    config: &PyOffloadConfig,
     layout: &KvLayout,
     stats: &Arc<TierStats>,
+    side: Side<'_>,
 ) -> PyResult<RemoteTier> {
     let err = |e: offload_core::tier::TierError| REMOTE_TIER_ERROR.err(e.to_string());
-    let keys = KeySpace::new(&remote.namespace, layout.fingerprint()).map_err(err)?;
-    let store = RedisStore::connect(&remote.seeds, remote.timeout()).map_err(err)?;
-    Ok(RemoteTier::new(Box::new(store), keys, Arc::clone(stats)))
+    let derr = |e: offload_core::tier::disk::DiskError| REMOTE_TIER_ERROR.err(e.to_string());
+    let c = &config.inner;
+    let namespace = c
+        .remote
+        .as_ref()
+        .map_or(DEFAULT_REMOTE_NAMESPACE, |r| r.namespace.as_str());
+    let keys = KeySpace::new(namespace, layout.fingerprint()).map_err(err)?;
+    let disk: Option<Box<dyn RemoteStore>> = match (&c.disk, side) {
+        (None, _) => None,
+        (Some(d), Side::Scheduler) => {
+            // The scheduler probes the keys of rank 0, which writes them (as for Redis).
+            let probe = DiskProbe::new(d.rank_path(layout.tp_rank), keys.fingerprint());
+            Some(Box::new(probe))
+        }
+        (Some(d), Side::Worker { block_bytes, disk }) => {
+            if disk.is_none() {
+                let mut opts = DiskOptions::new(
+                    d.rank_path(layout.tp_rank),
+                    d.capacity_bytes,
+                    encoded_len(HASH_BYTES, block_bytes) as u64,
+                    keys.fingerprint(),
+                );
+                opts.use_page_cache = d.use_page_cache;
+                opts.persist = d.persist;
+                if let Some(spec) = &c.faults {
+                    opts.faults = FaultPlan::from_config_value(spec)
+                        .map_err(|e| INVALID_INPUT_ERROR.err(e.to_string()))?;
+                }
+                *disk = Some(DiskStore::open(&opts).map_err(derr)?);
+            }
+            disk.as_ref()
+                .map(|s| Box::new(s.clone()) as Box<dyn RemoteStore>)
+        }
+    };
+    let remote: Option<Box<dyn RemoteStore>> = match &c.remote {
+        None => None,
+        Some(r) => Some(Box::new(
+            RedisStore::connect(&r.seeds, r.timeout()).map_err(err)?,
+        )),
+    };
+    let store: Box<dyn RemoteStore> = match (disk, remote) {
+        (Some(d), Some(r)) => Box::new(StackedStore::new(d, r)),
+        (Some(one), None) | (None, Some(one)) => one,
+        (None, None) => return Err(INVALID_INPUT_ERROR.err("no tier below the CPU configured")),
+    };
+    Ok(RemoteTier::new(store, keys, Arc::clone(stats)))
 }
 
 /// Hashes as the tier's keys take them, from `HASH_BYTES`-byte chunks.
@@ -126,6 +194,7 @@ pub(crate) fn remote_sharing_problem(hash_algo: &str, pythonhashseed_set: bool) 
 #[derive(Debug)]
 pub(crate) struct PyWorkerTier {
     inner: WorkerTier,
+    disk: Option<Arc<DiskStats>>,
 }
 
 #[pymethods]
@@ -139,21 +208,42 @@ impl PyWorkerTier {
         config: &PyOffloadConfig,
         layout: &Bound<'_, PyAny>,
     ) -> PyResult<Self> {
-        let remote = remote_of(config)?.clone();
+        check_lower(config)?;
         let layout = kv_layout(layout)?;
         let blocks = engine.inner.host_blocks();
-        let inner = py.detach(|| -> PyResult<WorkerTier> {
+        let c = &config.inner;
+        let writes = c.disk.is_some() || c.remote.as_ref().is_some_and(|r| r.write);
+        let max_inflight = c
+            .remote
+            .as_ref()
+            .map_or(DEFAULT_MAX_INFLIGHT_BYTES, |r| r.max_inflight_bytes);
+        let (inner, disk) = py.detach(|| -> PyResult<(WorkerTier, Option<DiskStore>)> {
             let stats = Arc::new(TierStats::default());
-            let fetch = connect(&remote, &layout, &stats)?;
-            let write = if remote.write {
-                Some(connect(&remote, &layout, &stats)?)
+            let block_bytes = blocks.block_bytes();
+            let mut disk = None;
+            let side = Side::Worker {
+                block_bytes,
+                disk: &mut disk,
+            };
+            let fetch = connect(config, &layout, &stats, side)?;
+            let write = if writes {
+                let side = Side::Worker {
+                    block_bytes,
+                    disk: &mut disk,
+                };
+                Some(connect(config, &layout, &stats, side)?)
             } else {
                 None
             };
-            WorkerTier::spawn(blocks, fetch, write, remote.max_inflight_bytes)
-                .map_err(|e| REMOTE_TIER_ERROR.err(format!("cannot start the remote tier: {e}")))
+            let tier = WorkerTier::spawn(blocks, fetch, write, max_inflight).map_err(|e| {
+                REMOTE_TIER_ERROR.err(format!("cannot start the tiers below the CPU: {e}"))
+            })?;
+            Ok((tier, disk))
         })?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner,
+            disk: disk.map(|d| d.stats()),
+        })
     }
 
     /// Whether stored blocks are written to the store.
@@ -200,9 +290,13 @@ impl PyWorkerTier {
         Ok(py.detach(|| unsafe { inner.write_stored(&hashes, &cpu_blocks) }))
     }
 
-    /// Counters since the start, by name.
+    /// Counters since the start, by name (the disk's, `disk_*`, when there is one).
     fn stats(&self) -> Vec<(&'static str, u64)> {
-        tier_counters(&self.inner.stats())
+        let mut out = tier_counters(&self.inner.stats());
+        if let Some(d) = &self.disk {
+            out.extend(d.snapshot().named());
+        }
+        out
     }
 
     /// Stops the threads; queued writes get `drain_s` seconds to go out.

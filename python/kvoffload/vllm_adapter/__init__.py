@@ -77,6 +77,7 @@ from kvoffload.vllm_adapter.version import TESTED_VLLM_VERSIONS, warn_if_unteste
 
 __all__ = [
     "BLOCK_OUTER_LAYOUT",
+    "DISK_HIT_SOURCE",
     "FAULTS_ENV",
     "FULL_KINDS",
     "GROUP_ID_BYTES",
@@ -135,5 +136,7 @@ try:  # vLLM >= 0.31 reports where external hits came from.
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     HOST_HIT_SOURCE: Any = CacheHitSource.HOST
+    DISK_HIT_SOURCE: Any = getattr(CacheHitSource, "DISK", HOST_HIT_SOURCE)
 except ImportError:  # pragma: no cover - older vLLM
     HOST_HIT_SOURCE = None
+    DISK_HIT_SOURCE = None

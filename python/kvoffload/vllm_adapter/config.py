@@ -117,9 +117,13 @@ def remote_layout(
     }
 
 
-def remote_unsupported(vllm_config: Any, kinds: list[tuple[str, int | None]]) -> str | None:
+def remote_unsupported(
+    vllm_config: Any, kinds: list[tuple[str, int | None]], *, shared: bool = True
+) -> str | None:
     """Why this engine cannot use a remote tier (with what to change), or ``None``.
-    ``kinds``: the KV-cache groups' ``(kind, window)`` (see ``kv_group_kinds``)."""
+    ``kinds``: the KV-cache groups' ``(kind, window)`` (see ``kv_group_kinds``).
+    ``shared``: whether blocks outlive the engine or go to others (a remote store, a
+    persisted disk), so the block hashes must agree across processes."""
     import os
 
     from kvoffload._native import remote_sharing_problem
@@ -135,6 +139,8 @@ def remote_unsupported(vllm_config: Any, kinds: list[tuple[str, int | None]]) ->
         return "pipeline parallelism is not supported by the remote tier"
     if int(getattr(parallel, "decode_context_parallel_size", 1)) != 1:
         return "decode context parallelism is not supported by the remote tier"
+    if not shared:
+        return None
     algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
     return remote_sharing_problem(algo, "PYTHONHASHSEED" in os.environ)
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::key::KeySpace;
 use super::stats::{bump, TierStats};
-use super::value::{decode, encode};
+use super::value::{decode, decode_verified, encode};
 use super::{RemoteKey, RemoteStore, TierError};
 
 /// A verified block as fetched: the stored value and where its payload lies in it, so the
@@ -128,6 +128,12 @@ impl RemoteTier {
         let fp = self.keys.fingerprint();
         let mut out = Vec::with_capacity(answers.len());
         let mut first = true;
+        let mut rejected = Vec::new();
+        let decode = if self.store.verifies_checksums() {
+            decode_verified
+        } else {
+            decode
+        };
         for ((answer, hash), key) in answers.into_iter().zip(hashes).zip(&keys) {
             let block = match answer {
                 Ok(Some(value)) => match decode(&value, fp, hash.as_ref(), block_bytes) {
@@ -141,6 +147,7 @@ impl RemoteTier {
                     Err(e) => {
                         bump(&self.stats.corrupt_values, 1);
                         log::warn!("kvoffload: remote value {key} rejected ({e}); recomputing");
+                        rejected.push(key.clone());
                         None
                     }
                 },
@@ -154,6 +161,9 @@ impl RemoteTier {
                 }
             };
             out.push(block);
+        }
+        if !rejected.is_empty() {
+            self.store.discard(&rejected);
         }
         Ok(out)
     }
@@ -203,6 +213,9 @@ impl RemoteTier {
         bump(&self.stats.failed_keys, 1);
         if matches!(e, TierError::Timeout { .. }) {
             bump(&self.stats.timeouts, 1);
+        }
+        if matches!(e, TierError::Disabled { .. }) {
+            return;
         }
         if std::mem::take(first) {
             log::warn!("kvoffload: remote tier {}: {e}", self.store.describe());

@@ -8,8 +8,10 @@
 //!
 //! Layers, bottom up:
 //! - [`RemoteStore`]: raw bytes by key, one round trip per call. [`RedisStore`] speaks to
-//!   Redis Cluster (or Valkey); another store (Mooncake, a file system) implements the
-//!   same trait and nothing above changes. [`MemoryStore`] is one in this process, for
+//!   Redis Cluster (or Valkey); [`disk::DiskStore`] keeps blocks in local files (the
+//!   scheduler checks them through [`disk::DiskProbe`]); [`StackedStore`] puts the disk in
+//!   front of Redis. Another store (Mooncake) implements the same trait and nothing above
+//!   changes. [`MemoryStore`] is one in this process, for
 //!   tests without a server.
 //! - [`KeySpace`] and [`value`]: what a key and a value are for one engine rank
 //!   ([`KvLayout`] decides which blocks are interchangeable).
@@ -36,7 +38,9 @@
 //! remote attempt per prompt length, so no request waits on the store more than one probe
 //! and one fetch, each bounded by the deadline.
 //!
-//! An absent `remote_url` means no tier: nothing here is constructed and nothing runs.
+//! Without `remote_url` and without `kv_offload_backend: "disk"` there is no tier: nothing
+//! here is constructed and nothing runs. With both, the disk sits in front of the remote
+//! store ([`StackedStore`]).
 //!
 //! # Operating the store
 //! The tier never deletes: the store bounds itself. Give every Redis node a `maxmemory`
@@ -50,10 +54,12 @@
 mod blocks;
 mod checksum;
 pub mod config;
+pub mod disk;
 mod key;
 mod memory;
 mod probe;
 mod redis;
+mod stack;
 mod stats;
 pub mod value;
 mod worker;
@@ -70,6 +76,7 @@ pub use key::{
 pub use memory::MemoryStore;
 pub use probe::ProbeQueue;
 pub use redis::{redact_url, RedisStore};
+pub use stack::StackedStore;
 pub use stats::{TierSnapshot, TierStats};
 pub use value::ValueError;
 pub use worker::{FetchRequest, WorkerTier};
@@ -90,6 +97,19 @@ pub trait RemoteStore: Send {
 
     /// Writes each value under its key, replacing what was there.
     fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>>;
+
+    /// Told that the values under `keys` failed verification: a store that can free their
+    /// space (the disk tier) does. The default keeps them (a shared store's values may be
+    /// another engine's business).
+    fn discard(&mut self, keys: &[RemoteKey]) {
+        let _ = keys;
+    }
+
+    /// Whether every value `get` returns had its checksum verified by the store
+    /// (`value::checksum_ok`), so the tier does not compute it again.
+    fn verifies_checksums(&self) -> bool {
+        false
+    }
 
     /// The store for logs (addresses without credentials).
     fn describe(&self) -> String;
@@ -138,6 +158,13 @@ pub enum TierError {
         op: &'static str,
         /// The deadline.
         timeout_ms: u64,
+    },
+    /// The store turned itself off (the disk tier after repeated I/O errors); said once
+    /// by the store, so calls answered this way are counted, not logged.
+    #[error("{store} is off")]
+    Disabled {
+        /// The store, for messages.
+        store: String,
     },
     /// The store answered with an error, or the connection broke.
     #[error("remote store {op} failed: {reason}")]

@@ -76,6 +76,12 @@ pub enum ValueError {
     Checksum,
 }
 
+/// Bytes of the stored form of a `payload_len`-byte block under a `hash_len`-byte hash
+/// (hashes longer than [`MAX_HASH_BYTES`] are cut to it, as [`encode`] does).
+pub fn encoded_len(hash_len: usize, payload_len: usize) -> usize {
+    FIXED_HEADER + hash_len.min(MAX_HASH_BYTES) + payload_len + TRAILER
+}
+
 /// The stored form of block `hash`'s `payload` for a layout with `fingerprint`.
 ///
 /// `payload` is given in parts (a block's slice of each layer region) and concatenated.
@@ -107,6 +113,38 @@ pub fn decode<'a>(
     fingerprint: LayoutFingerprint,
     hash: &[u8],
     block_bytes: usize,
+) -> Result<&'a [u8], ValueError> {
+    decode_checked(value, fingerprint, hash, block_bytes, true)
+}
+
+/// Whether `value`'s trailer is the checksum of the bytes before it (a store that verifies
+/// values itself, on its own threads, calls this; see [`decode_verified`]).
+pub fn checksum_ok(value: &[u8]) -> bool {
+    let Some(body_end) = value.len().checked_sub(TRAILER) else {
+        return false;
+    };
+    let mut sum = [0u8; 8];
+    sum.copy_from_slice(&value[body_end..]);
+    checksum(CHECKSUM_SEED, &[&value[..body_end]]) == u64::from_le_bytes(sum)
+}
+
+/// [`decode`] of a value whose checksum the store already verified with [`checksum_ok`]:
+/// every other check is made, the checksum is not computed again.
+pub fn decode_verified<'a>(
+    value: &'a [u8],
+    fingerprint: LayoutFingerprint,
+    hash: &[u8],
+    block_bytes: usize,
+) -> Result<&'a [u8], ValueError> {
+    decode_checked(value, fingerprint, hash, block_bytes, false)
+}
+
+fn decode_checked<'a>(
+    value: &'a [u8],
+    fingerprint: LayoutFingerprint,
+    hash: &[u8],
+    block_bytes: usize,
+    sum_it: bool,
 ) -> Result<&'a [u8], ValueError> {
     let len = value.len();
     if len < FIXED_HEADER + TRAILER {
@@ -143,9 +181,7 @@ pub fn decode<'a>(
         });
     }
     let body_end = len - TRAILER;
-    let mut sum = [0u8; 8];
-    sum.copy_from_slice(&value[body_end..]);
-    if checksum(CHECKSUM_SEED, &[&value[..body_end]]) != u64::from_le_bytes(sum) {
+    if sum_it && !checksum_ok(value) {
         return Err(ValueError::Checksum);
     }
     // Checked after the checksum: a flipped hash byte is corruption, not another block.
@@ -173,6 +209,7 @@ mod tests {
         let v = encode(FP, HASH, &[&b[..100], &b[100..]]);
         assert_eq!(decode(&v, FP, HASH, b.len()).unwrap(), &b[..]);
         assert_eq!(v, encode(FP, HASH, &[&b]));
+        assert_eq!(v.len(), encoded_len(HASH.len(), b.len()));
     }
 
     #[test]

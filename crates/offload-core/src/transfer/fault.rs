@@ -24,6 +24,16 @@ pub struct FaultPlan {
     /// Every job takes this long: its bytes land, and it completes, no sooner than this
     /// after its submission (a slow device, not merely a late report).
     pub delay: Duration,
+    /// Every n-th disk-tier write fails with `ENOSPC` (0: never).
+    pub disk_enospc_every: u32,
+    /// Every n-th disk-tier write fails with `EIO` (0: never).
+    pub disk_write_eio_every: u32,
+    /// Every n-th disk-tier read fails with `EIO` (0: never).
+    pub disk_read_eio_every: u32,
+    /// Every n-th disk-tier read returns fewer bytes than asked (0: never).
+    pub disk_short_read_every: u32,
+    /// Every n-th disk-tier read has one byte flipped, as a bad sector would (0: never).
+    pub disk_corrupt_read_every: u32,
 }
 
 /// A fault spec that does not parse; the message names the bad item.
@@ -38,7 +48,9 @@ pub struct FaultSpecError {
 
 impl FaultPlan {
     /// Parses `key=value` items separated by commas: `fail_loads_every`,
-    /// `fail_stores_every`, `fatal_after` (counts) and `delay_ms`.
+    /// `fail_stores_every`, `fatal_after` (counts) and `delay_ms` for copies;
+    /// `disk_enospc_every`, `disk_write_eio_every`, `disk_read_eio_every`,
+    /// `disk_short_read_every` and `disk_corrupt_read_every` (counts) for the disk tier.
     ///
     /// # Examples
     /// ```
@@ -68,6 +80,11 @@ impl FaultPlan {
                 "fail_stores_every" => plan.fail_stores_every = n,
                 "fatal_after" => plan.fatal_after = n,
                 "delay_ms" => plan.delay = Duration::from_millis(u64::from(n)),
+                "disk_enospc_every" => plan.disk_enospc_every = n,
+                "disk_write_eio_every" => plan.disk_write_eio_every = n,
+                "disk_read_eio_every" => plan.disk_read_eio_every = n,
+                "disk_short_read_every" => plan.disk_short_read_every = n,
+                "disk_corrupt_read_every" => plan.disk_corrupt_read_every = n,
                 _ => return Err(err("unknown key")),
             }
         }
@@ -94,9 +111,12 @@ impl FaultPlan {
         })
     }
 
-    /// Whether the plan injects anything.
+    /// Whether the plan injects anything into copies.
     pub fn is_active(&self) -> bool {
-        *self != Self::default()
+        self.fail_loads_every != 0
+            || self.fail_stores_every != 0
+            || self.fatal_after != 0
+            || !self.delay.is_zero()
     }
 }
 
@@ -104,11 +124,18 @@ impl fmt::Display for FaultPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "fail_loads_every={},fail_stores_every={},fatal_after={},delay_ms={}",
+            "fail_loads_every={},fail_stores_every={},fatal_after={},delay_ms={},\
+             disk_enospc_every={},disk_write_eio_every={},disk_read_eio_every={},\
+             disk_short_read_every={},disk_corrupt_read_every={}",
             self.fail_loads_every,
             self.fail_stores_every,
             self.fatal_after,
-            self.delay.as_millis()
+            self.delay.as_millis(),
+            self.disk_enospc_every,
+            self.disk_write_eio_every,
+            self.disk_read_eio_every,
+            self.disk_short_read_every,
+            self.disk_corrupt_read_every
         )
     }
 }

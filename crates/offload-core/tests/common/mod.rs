@@ -2,6 +2,7 @@
 //! part of them, so the unused rest must not warn there.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod disk;
 pub mod fake_cuda;
 pub mod planner;
 pub mod rng;

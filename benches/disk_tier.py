@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""Disk tier bandwidth: runs ``cargo bench -p offload-core --bench disk`` (which measures,
+in one run on the same disk, the tier's reads and writes, raw ``O_DIRECT`` sequential I/O
+as ``dd iflag=direct bs=4M`` does it, and a Python copy of Simple's one-``preadv``-at-a-
+time read loop with two buffer slots; medians of 5 interleaved runs) and stores its result
+with the machine and the file system it ran on.
+
+    .venv/bin/python benches/disk_tier.py --dir /path/on/the/disk \\
+        --json docs/benchmarks/disk_tier.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, write_json
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def filesystem(path: Path) -> str:
+    out = subprocess.run(
+        ["df", "--output=fstype", str(path)], capture_output=True, text=True, check=False
+    )
+    lines = out.stdout.split()
+    return lines[-1] if out.returncode == 0 and lines else "unknown"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=str(REPO / "target"), help="where the files go")
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args()
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "KVOFFLOAD_BENCH_DIR": str(directory), "PYTHON": sys.executable}
+    out = subprocess.run(
+        ["cargo", "bench", "-q", "-p", "offload-core", "--bench", "disk"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result.pop("dir", None)
+    result["filesystem"] = filesystem(directory)
+    result["machine"] = machine()
+    print(json.dumps(result["medians"], indent=2))
+    print(json.dumps(result["ratios"], indent=2))
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()

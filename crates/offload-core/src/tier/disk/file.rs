@@ -1,0 +1,331 @@
+//! The tier's files: opening them (lock, `O_DIRECT` probe, reserved space), aligned
+//! buffers, and positional reads and writes with their errors sorted by kind and the
+//! faults of a [`FaultPlan`] injected.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::error::{DiskError, IoKind};
+use super::layout::ALIGN;
+use crate::transfer::FaultPlan;
+
+/// A zeroed buffer aligned for `O_DIRECT`.
+pub(crate) struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer owns its allocation exclusively, like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    /// `len` bytes (a multiple of [`ALIGN`], non-zero), all zero.
+    pub(crate) fn new(len: usize) -> Self {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size (at least ALIGN).
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Self { ptr, len }
+    }
+
+    fn layout(len: usize) -> Layout {
+        // ALIGN is a power of two and len is bounded by the slot size; a failure here is
+        // a bug in the geometry, not input.
+        Layout::from_size_align(len.max(ALIGN as usize), ALIGN as usize)
+            .unwrap_or_else(|_| Layout::new::<[u8; ALIGN as usize]>())
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len initialized (zeroed, then written) bytes while
+        // self lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and &mut self makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in new() with this same layout.
+        unsafe { dealloc(self.ptr, Self::layout(self.len)) };
+    }
+}
+
+/// Which faults to inject into disk I/O, counting calls as they come.
+#[derive(Debug, Default)]
+pub(crate) struct DiskFaults {
+    plan: FaultPlan,
+    writes: AtomicU32,
+    reads: AtomicU32,
+}
+
+fn hits(count: u32, every: u32) -> bool {
+    every != 0 && count % every == 0
+}
+
+impl DiskFaults {
+    pub(crate) fn new(plan: FaultPlan) -> Self {
+        Self {
+            plan,
+            ..Self::default()
+        }
+    }
+
+    fn write_fault(&self) -> Option<io::Error> {
+        let plan = &self.plan;
+        if plan.disk_enospc_every == 0 && plan.disk_write_eio_every == 0 {
+            return None;
+        }
+        let n = self.writes.fetch_add(1, Ordering::Relaxed) + 1;
+        if hits(n, plan.disk_enospc_every) {
+            return Some(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        hits(n, plan.disk_write_eio_every).then(|| io::Error::from_raw_os_error(libc::EIO))
+    }
+
+    /// The fault for the next read: an error, a short read, or a flipped byte.
+    fn read_fault(&self) -> Option<ReadFault> {
+        let plan = &self.plan;
+        if plan.disk_read_eio_every == 0
+            && plan.disk_short_read_every == 0
+            && plan.disk_corrupt_read_every == 0
+        {
+            return None;
+        }
+        let n = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
+        if hits(n, plan.disk_read_eio_every) {
+            Some(ReadFault::Eio)
+        } else if hits(n, plan.disk_short_read_every) {
+            Some(ReadFault::Short)
+        } else if hits(n, plan.disk_corrupt_read_every) {
+            Some(ReadFault::Corrupt)
+        } else {
+            None
+        }
+    }
+}
+
+enum ReadFault {
+    Eio,
+    Short,
+    Corrupt,
+}
+
+/// An I/O that failed, by kind.
+pub(crate) fn classify(e: &io::Error) -> IoKind {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => IoKind::NoSpace,
+        Some(libc::EIO) => IoKind::Io,
+        Some(libc::EINVAL) => IoKind::Invalid,
+        _ => IoKind::Other,
+    }
+}
+
+/// The data file: positional I/O, direct where the file system allows it.
+#[derive(Debug)]
+pub(crate) struct DataFile {
+    file: File,
+    direct: bool,
+}
+
+impl DataFile {
+    pub(crate) fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub(crate) fn sync(&self) -> io::Result<()> {
+        self.file.sync_all()
+    }
+
+    /// Reads `buf.len()` bytes at `offset`; anything less is an error of kind `Short`.
+    pub(crate) fn read(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        faults: &DiskFaults,
+    ) -> Result<(), IoKind> {
+        let fault = faults.read_fault();
+        if matches!(fault, Some(ReadFault::Eio)) {
+            return Err(IoKind::Io);
+        }
+        let n = self.file.read_at(buf, offset).map_err(|e| classify(&e))?;
+        if n != buf.len() || matches!(fault, Some(ReadFault::Short)) {
+            return Err(IoKind::Short);
+        }
+        if matches!(fault, Some(ReadFault::Corrupt)) {
+            if let Some(b) = buf.get_mut(buf.len() / 2) {
+                *b ^= 0x5a;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes all of `buf` at `offset`.
+    pub(crate) fn write(&self, buf: &[u8], offset: u64, faults: &DiskFaults) -> Result<(), IoKind> {
+        if let Some(e) = faults.write_fault() {
+            return Err(classify(&e));
+        }
+        let n = self.file.write_at(buf, offset).map_err(|e| classify(&e))?;
+        if n != buf.len() {
+            return Err(IoKind::Short);
+        }
+        Ok(())
+    }
+}
+
+/// The paths of a rank's file set.
+#[derive(Debug, Clone)]
+pub(crate) struct FileSet {
+    pub data: PathBuf,
+    pub idx: PathBuf,
+}
+
+impl FileSet {
+    pub(crate) fn new(rank_path: &Path) -> Self {
+        let mut idx = rank_path.as_os_str().to_owned();
+        idx.push(".idx");
+        Self {
+            data: rank_path.to_path_buf(),
+            idx: PathBuf::from(idx),
+        }
+    }
+
+    /// Removes both files; absent ones are fine.
+    pub(crate) fn remove(&self) {
+        for p in [&self.data, &self.idx] {
+            if let Err(e) = std::fs::remove_file(p) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    log::warn!("kvoffload disk tier: cannot remove {}: {e}", p.display());
+                }
+            }
+        }
+    }
+}
+
+fn open_err(path: &Path) -> impl Fn(io::Error) -> DiskError + '_ {
+    move |e| DiskError::Open {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    }
+}
+
+/// Opens (creating) a file for reading and writing, `O_DIRECT` when `direct`.
+fn open_rw(path: &Path, direct: bool) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true).write(true).create(true);
+    #[allow(clippy::suspicious_open_options)]
+    o.truncate(false);
+    o.mode(0o600);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(path)
+}
+
+/// Takes an exclusive lock on `file` without waiting; another holder is an error that
+/// names the path.
+pub(crate) fn lock_exclusive(file: &File, path: &Path) -> Result<(), DiskError> {
+    // SAFETY: flock on a descriptor we own; no memory is involved.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Err(DiskError::Locked {
+            path: path.to_path_buf(),
+        });
+    }
+    Err(open_err(path)(e))
+}
+
+/// Opens the data file: `O_DIRECT` unless `page_cache`, falling back to buffered I/O
+/// where the file system refuses it at open (tmpfs, some network file systems).
+/// [`DataFile::checked`] tries a read once the file has its size.
+pub(crate) fn open_data(path: &Path, page_cache: bool) -> Result<DataFile, DiskError> {
+    if !page_cache {
+        match open_rw(path, true) {
+            Ok(file) => return Ok(DataFile { file, direct: true }),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => fallback_logged(path),
+            Err(e) => return Err(open_err(path)(e)),
+        }
+    }
+    let file = open_rw(path, false).map_err(open_err(path))?;
+    Ok(DataFile {
+        file,
+        direct: false,
+    })
+}
+
+fn fallback_logged(path: &Path) {
+    log::warn!(
+        "kvoffload disk tier: {} does not take O_DIRECT; using buffered I/O",
+        path.display()
+    );
+}
+
+impl DataFile {
+    /// This file, or (when a direct read of its first page fails) the same file opened
+    /// for buffered I/O. Reads only, so a persisted block is never touched.
+    pub(crate) fn checked(self, path: &Path) -> Result<Self, DiskError> {
+        if !self.direct {
+            return Ok(self);
+        }
+        let mut page = AlignedBuf::new(ALIGN as usize);
+        if self
+            .read(page.as_mut_slice(), 0, &DiskFaults::default())
+            .is_ok()
+        {
+            return Ok(self);
+        }
+        fallback_logged(path);
+        drop(self);
+        let file = open_rw(path, false).map_err(open_err(path))?;
+        Ok(Self {
+            file,
+            direct: false,
+        })
+    }
+}
+
+/// Opens the index file (always buffered: entries are 64 bytes).
+pub(crate) fn open_idx(path: &Path) -> Result<File, DiskError> {
+    open_rw(path, false).map_err(open_err(path))
+}
+
+/// Sets `file` to exactly `len` bytes with all of them allocated, so the tier never runs
+/// out of space later (unless the file system lies, which the write path survives).
+pub(crate) fn reserve(file: &File, path: &Path, len: u64) -> Result<(), DiskError> {
+    file.set_len(len).map_err(open_err(path))?;
+    let Ok(n) = libc::off_t::try_from(len) else {
+        return Err(DiskError::Space {
+            path: path.to_path_buf(),
+            bytes: len,
+            reason: "larger than the file system's offsets".into(),
+        });
+    };
+    // SAFETY: posix_fallocate on a descriptor we own; it touches no memory of ours.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, n) };
+    if rc != 0 {
+        return Err(DiskError::Space {
+            path: path.to_path_buf(),
+            bytes: len,
+            reason: io::Error::from_raw_os_error(rc).to_string(),
+        });
+    }
+    Ok(())
+}

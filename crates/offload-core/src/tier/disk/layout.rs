@@ -1,0 +1,241 @@
+//! What the tier's files hold: the geometry, the index file's header and its entries.
+//!
+//! A rank's file set is `<disk_path>.rank_<N>` (the data: one slot per block, each slot
+//! a whole number of 4 KiB pages so `O_DIRECT` can write it) and `<...>.idx` (a 4 KiB
+//! header, then one 64-byte entry per slot). An entry names the slot's block by a 128-bit
+//! digest of its key and commits to the value by its checksum:
+//!
+//! ```text
+//! 0   magic "KVDE"               4
+//! 4   reserved                   4
+//! 8   key digest (u128)          16
+//! 24  value length (u64)         8
+//! 32  write sequence (u64)       8   orders writes, so a rebuilt index keeps LRU order
+//! 40  value checksum (u64)       8   the value's own trailer
+//! 48  reserved                   8
+//! 56  entry checksum (u64)       8   over bytes 0..56
+//! ```
+//! A block is written data first, entry second; a crash between the two leaves an entry
+//! that names the old block over new bytes (or a torn entry), and every read checks the
+//! value against the entry and its own checksum, so such a slot is a miss, never served.
+//!
+//! Slots are grouped in sets of [`MAX_WAYS`]: a key lives in the set its digest picks, so
+//! the scheduler (another process) finds a block by reading one set's entries, without an
+//! index of its own, and eviction is LRU within the set.
+
+use super::super::checksum::checksum;
+
+/// `O_DIRECT` alignment of offsets, lengths and buffers.
+pub(crate) const ALIGN: u64 = 4096;
+/// Bytes before the first entry of the index file.
+pub(crate) const IDX_HEADER: u64 = 4096;
+/// Bytes of one entry.
+pub(crate) const ENTRY_BYTES: usize = 64;
+/// Slots per set.
+pub(crate) const MAX_WAYS: u64 = 64;
+
+const FILE_MAGIC: &[u8; 8] = b"KVOFDISK";
+const FILE_VERSION: u32 = 1;
+const ENTRY_MAGIC: &[u8; 4] = b"KVDE";
+const ENTRY_SEED: u64 = 0x6b76_6469_736b_656e;
+const DIGEST_SEEDS: [u64; 2] = [0x6469_736b_6b65_7931, 0x6469_736b_6b65_7932];
+
+/// How a rank's capacity is cut into slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    /// Bytes of one stored value (header, block, checksum).
+    pub value_len: u64,
+    /// Bytes of one slot: `value_len` rounded up to [`ALIGN`].
+    pub slot_bytes: u64,
+    /// Slots in the data file.
+    pub slots: u64,
+    /// Slots per set.
+    pub ways: u64,
+    /// The layout fingerprint whose blocks the files hold.
+    pub fingerprint: u128,
+}
+
+impl Geometry {
+    /// The most slots of `value_len`-byte values that fit `capacity` with their entries
+    /// and the index header; `None` when not one set fits.
+    pub(crate) fn fit(capacity: u64, value_len: u64, fingerprint: u128) -> Option<Self> {
+        let slot_bytes = value_len.div_ceil(ALIGN).checked_mul(ALIGN)?;
+        let per_slot = slot_bytes + ENTRY_BYTES as u64;
+        let mut slots = capacity.checked_sub(IDX_HEADER)? / per_slot;
+        let ways = slots.min(MAX_WAYS);
+        if ways == 0 {
+            return None;
+        }
+        slots -= slots % ways;
+        Some(Self {
+            value_len,
+            slot_bytes,
+            slots,
+            ways,
+            fingerprint,
+        })
+    }
+
+    pub(crate) fn sets(&self) -> u64 {
+        self.slots / self.ways
+    }
+
+    /// The first slot of `digest`'s set.
+    pub(crate) fn set_start(&self, digest: u128) -> u64 {
+        // The digest's high half, so set choice and the low half compared in the
+        // in-memory tags are independent.
+        ((digest >> 64) as u64 % self.sets()) * self.ways
+    }
+
+    pub(crate) fn data_offset(&self, slot: u64) -> u64 {
+        slot * self.slot_bytes
+    }
+
+    pub(crate) fn entry_offset(&self, slot: u64) -> u64 {
+        IDX_HEADER + slot * ENTRY_BYTES as u64
+    }
+
+    pub(crate) fn data_file_bytes(&self) -> u64 {
+        self.slots * self.slot_bytes
+    }
+
+    pub(crate) fn idx_file_bytes(&self) -> u64 {
+        IDX_HEADER + self.slots * ENTRY_BYTES as u64
+    }
+
+    /// The index file's header: geometry and fingerprint, so a restart (or the
+    /// scheduler's reader) knows what the entries describe.
+    pub(crate) fn encode_header(&self) -> Vec<u8> {
+        let mut h = Vec::with_capacity(IDX_HEADER as usize);
+        h.extend_from_slice(FILE_MAGIC);
+        h.extend_from_slice(&FILE_VERSION.to_le_bytes());
+        h.extend_from_slice(&[0; 4]);
+        for n in [self.value_len, self.slot_bytes, self.slots, self.ways] {
+            h.extend_from_slice(&n.to_le_bytes());
+        }
+        h.extend_from_slice(&self.fingerprint.to_le_bytes());
+        let sum = checksum(ENTRY_SEED, &[&h]);
+        h.extend_from_slice(&sum.to_le_bytes());
+        h.resize(IDX_HEADER as usize, 0);
+        h
+    }
+
+    /// The geometry an index header describes, `None` unless it is intact.
+    pub(crate) fn decode_header(h: &[u8]) -> Option<Self> {
+        const BODY: usize = 8 + 4 + 4 + 4 * 8 + 16;
+        if h.len() < BODY + 8 || &h[..8] != FILE_MAGIC {
+            return None;
+        }
+        if u32::from_le_bytes(h[8..12].try_into().ok()?) != FILE_VERSION {
+            return None;
+        }
+        if u64::from_le_bytes(h[BODY..BODY + 8].try_into().ok()?)
+            != checksum(ENTRY_SEED, &[&h[..BODY]])
+        {
+            return None;
+        }
+        let n =
+            |i: usize| u64::from_le_bytes(h[16 + 8 * i..24 + 8 * i].try_into().unwrap_or([0; 8]));
+        let geo = Self {
+            value_len: n(0),
+            slot_bytes: n(1),
+            slots: n(2),
+            ways: n(3),
+            fingerprint: u128::from_le_bytes(h[48..64].try_into().ok()?),
+        };
+        (geo.ways > 0 && geo.slots % geo.ways == 0 && geo.slot_bytes >= geo.value_len)
+            .then_some(geo)
+    }
+}
+
+/// A 128-bit digest of a key: what entries and the in-memory index store.
+pub(crate) fn key_digest(key: &[u8]) -> u128 {
+    let lo = checksum(DIGEST_SEEDS[0], &[key]);
+    let hi = checksum(DIGEST_SEEDS[1], &[key]);
+    // Zero marks an empty slot in memory; no key may digest to it.
+    (u128::from(hi) << 64 | u128::from(lo)).max(1)
+}
+
+/// One slot's entry as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub digest: u128,
+    pub value_len: u64,
+    pub seq: u64,
+    pub value_sum: u64,
+}
+
+impl Entry {
+    pub(crate) fn encode(&self) -> [u8; ENTRY_BYTES] {
+        let mut e = [0u8; ENTRY_BYTES];
+        e[..4].copy_from_slice(ENTRY_MAGIC);
+        e[8..24].copy_from_slice(&self.digest.to_le_bytes());
+        e[24..32].copy_from_slice(&self.value_len.to_le_bytes());
+        e[32..40].copy_from_slice(&self.seq.to_le_bytes());
+        e[40..48].copy_from_slice(&self.value_sum.to_le_bytes());
+        let sum = checksum(ENTRY_SEED, &[&e[..56]]);
+        e[56..].copy_from_slice(&sum.to_le_bytes());
+        e
+    }
+
+    /// The entry in `e`, `None` for an empty, torn or foreign one.
+    pub(crate) fn decode(e: &[u8]) -> Option<Self> {
+        if e.len() < ENTRY_BYTES || &e[..4] != ENTRY_MAGIC {
+            return None;
+        }
+        let u = |r: std::ops::Range<usize>| u64::from_le_bytes(e[r].try_into().unwrap_or([0; 8]));
+        if u(56..64) != checksum(ENTRY_SEED, &[&e[..56]]) {
+            return None;
+        }
+        Some(Self {
+            digest: u128::from_le_bytes(e[8..24].try_into().ok()?),
+            value_len: u(24..32),
+            seq: u(32..40),
+            value_sum: u(40..48),
+        })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_never_exceeds_capacity() {
+        for (cap, len) in [
+            (1 << 20, 5000u64),
+            (10 << 20, 4096),
+            (300_000, 1000),
+            (64 << 20, 70_000),
+        ] {
+            let g = Geometry::fit(cap, len, 9).unwrap();
+            assert!(
+                g.data_file_bytes() + g.idx_file_bytes() <= cap,
+                "{cap} {len}"
+            );
+            assert_eq!(g.slots % g.ways, 0);
+            assert_eq!(g.slot_bytes % ALIGN, 0);
+            assert_eq!(Geometry::decode_header(&g.encode_header()), Some(g));
+        }
+        assert!(Geometry::fit(4096, 100, 0).is_none());
+    }
+
+    #[test]
+    fn entries_round_trip_and_any_flip_is_rejected() {
+        let e = Entry {
+            digest: 77,
+            value_len: 5000,
+            seq: 3,
+            value_sum: 0xdead,
+        };
+        let b = e.encode();
+        assert_eq!(Entry::decode(&b), Some(e));
+        for i in 0..ENTRY_BYTES {
+            let mut c = b;
+            c[i] ^= 1;
+            assert_eq!(Entry::decode(&c), None, "flip at {i}");
+        }
+        assert_eq!(Entry::decode(&[0; ENTRY_BYTES]), None);
+    }
+}

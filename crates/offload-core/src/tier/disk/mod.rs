@@ -1,0 +1,43 @@
+//! The disk tier: blocks in local files, below the CPU tier and above a remote store.
+//!
+//! It is a [`RemoteStore`](super::RemoteStore), so it takes the remote tier's whole path
+//! (see [`tier`](super)): the scheduler's probe thread asks whether a prompt's next blocks
+//! are on disk and answers "pending" meanwhile; the worker fetches found blocks into CPU
+//! blocks the scheduler reserved, verifies them (header, layout fingerprint, hash,
+//! checksum) and they load like any CPU hit; blocks stored on CPU are written behind.
+//!
+//! # Written through, not spilled on eviction
+//! CPU evictions are decided by the scheduler, but the bytes live in the worker; spilling
+//! on eviction would put the scheduler on the disk's path (hold the block until its
+//! bytes are out). Writing every stored block through, on the worker's write-behind
+//! thread, keeps the scheduler off the disk entirely, and a block is on disk by the time
+//! the CPU tier evicts it. A full write queue drops writes (counted), never blocks.
+//!
+//! # Files
+//! Each rank owns `<disk_path>.rank_<N>` (data, `layout.rs` explains the slots) and
+//! `<...>.idx` (entries), the index locked exclusively while open, so a second engine on
+//! the same `disk_path` is refused at start.
+//! Without `disk_persist` the files are emptied at start and removed at shutdown, as
+//! Simple does; with it they stay, and the next engine rebuilds its index from the
+//! entries (blocks of another layout or capacity are wiped, never served).
+//!
+//! # Failures
+//! Every read is checked (entry, trailer here; the full checksum in `value::decode`); a
+//! bad block is a miss, counted, its slot freed. A failed write is a counted skip, a
+//! failed read a miss. [`DISABLE_AFTER_ERRORS`] failed I/Os in a row turn the tier off
+//! (one log line, the `disk_disabled` gauge); nothing waits on a failing disk.
+
+pub mod config;
+mod error;
+mod file;
+mod index;
+mod layout;
+mod reader;
+mod stats;
+mod store;
+
+pub use config::DiskConfig;
+pub use error::{DiskError, IoKind};
+pub use reader::DiskProbe;
+pub use stats::{DiskSnapshot, DiskStats};
+pub use store::{DiskOptions, DiskStore, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};

@@ -1,0 +1,86 @@
+//! [`StackedStore`]: two stores as one, the near one (local disk) asked first, so the
+//! planner's one lookup path continues a hit from CPU to disk to the remote store without
+//! knowing there are two.
+
+use super::{RemoteKey, RemoteStore, TierError};
+
+/// `near` in front of `far`: reads try `near` first, writes go to both.
+pub struct StackedStore {
+    near: Box<dyn RemoteStore>,
+    far: Box<dyn RemoteStore>,
+}
+
+impl std::fmt::Debug for StackedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+impl StackedStore {
+    /// `near` (the disk) in front of `far` (the remote store).
+    pub fn new(near: Box<dyn RemoteStore>, far: Box<dyn RemoteStore>) -> Self {
+        Self { near, far }
+    }
+
+    /// Asks `near` for every key, then `far` for the keys `near` did not answer with a
+    /// hit (a miss or a failure there is not final).
+    fn fall_through<T>(
+        &mut self,
+        keys: &[RemoteKey],
+        near: impl FnOnce(&mut dyn RemoteStore, &[RemoteKey]) -> Vec<Result<T, TierError>>,
+        far: impl FnOnce(&mut dyn RemoteStore, &[RemoteKey]) -> Vec<Result<T, TierError>>,
+        hit: impl Fn(&T) -> bool,
+    ) -> Vec<Result<T, TierError>> {
+        let mut out = near(self.near.as_mut(), keys);
+        if out.len() != keys.len() {
+            // A store that skipped keys answered nothing usable; the far one answers all.
+            return far(self.far.as_mut(), keys);
+        }
+        let rest: Vec<usize> = (0..keys.len())
+            .filter(|&i| !matches!(&out[i], Ok(v) if hit(v)))
+            .collect();
+        if rest.is_empty() {
+            return out;
+        }
+        let asked: Vec<RemoteKey> = rest.iter().map(|&i| keys[i].clone()).collect();
+        let answers = far(self.far.as_mut(), &asked);
+        if answers.len() == asked.len() {
+            for (i, a) in rest.into_iter().zip(answers) {
+                out[i] = a;
+            }
+        }
+        out
+    }
+}
+
+impl RemoteStore for StackedStore {
+    fn exists(&mut self, keys: &[RemoteKey]) -> Vec<Result<bool, TierError>> {
+        self.fall_through(keys, |s, k| s.exists(k), |s, k| s.exists(k), |v| *v)
+    }
+
+    fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
+        self.fall_through(keys, |s, k| s.get(k), |s, k| s.get(k), Option::is_some)
+    }
+
+    /// Both stores get every block; a block counts as written when either took it.
+    fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>> {
+        let near = self.near.put(entries);
+        let far = self.far.put(entries);
+        if near.len() != entries.len() {
+            return far;
+        }
+        if far.len() != entries.len() {
+            return near;
+        }
+        near.into_iter().zip(far).map(|(n, f)| n.or(f)).collect()
+    }
+
+    fn discard(&mut self, keys: &[RemoteKey]) {
+        self.near.discard(keys);
+        self.far.discard(keys);
+    }
+
+    fn describe(&self) -> String {
+        format!("{} then {}", self.near.describe(), self.far.describe())
+    }
+}

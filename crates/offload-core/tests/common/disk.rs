@@ -1,0 +1,108 @@
+//! Disk tier fixtures: a scratch directory removed on drop, and a tier on a disk store
+//! with distinctive block bytes.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use offload_core::tier::disk::{DiskOptions, DiskStore};
+use offload_core::tier::value::encoded_len;
+use offload_core::tier::{KeySpace, LayoutFingerprint, RemoteTier, TierStats};
+
+/// Fingerprint of the tests' layout.
+pub const FP: LayoutFingerprint = LayoutFingerprint(0x5eed_d15c);
+/// Bytes of a block hash, as the binding gives them.
+pub const HASH_BYTES: usize = 16;
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A fresh directory under the system temp dir, removed with its files on drop.
+pub struct Scratch {
+    pub dir: PathBuf,
+}
+
+impl Scratch {
+    pub fn new(name: &str) -> Self {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("kvoffload-disk-{name}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create scratch dir");
+        Self { dir }
+    }
+
+    /// A rank path inside the directory.
+    pub fn rank_path(&self) -> PathBuf {
+        self.dir.join("kv.rank_0")
+    }
+
+    /// The names of the files in the directory.
+    pub fn files(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.dir)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Options for blocks of `block_bytes` in `slots` slots at `path`.
+pub fn options(path: &Path, block_bytes: usize, slots: u64) -> DiskOptions {
+    let value = encoded_len(HASH_BYTES, block_bytes) as u64;
+    let slot = value.div_ceil(4096) * 4096;
+    DiskOptions::new(path, 4096 + slots * (slot + 64), value, FP)
+}
+
+/// Block `i`'s hash.
+pub fn hash(i: u32) -> [u8; HASH_BYTES] {
+    let mut h = [0u8; HASH_BYTES];
+    h[..4].copy_from_slice(&i.to_le_bytes());
+    h[15] = 0xa5;
+    h
+}
+
+/// Block `i`'s bytes: every byte depends on `i` and its position.
+pub fn block(i: u32, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| (j as u32).wrapping_mul(2_654_435_761).wrapping_add(i * 97) as u8 ^ (j >> 8) as u8)
+        .collect()
+}
+
+/// A block-level tier on `store`.
+pub fn tier(store: &DiskStore) -> RemoteTier {
+    RemoteTier::new(
+        Box::new(store.clone()),
+        KeySpace::new("test", FP).expect("namespace"),
+        Arc::new(TierStats::default()),
+    )
+}
+
+/// Stores blocks `ids` of `len` bytes through `t`; returns how many were written.
+pub fn store_blocks(t: &mut RemoteTier, ids: impl IntoIterator<Item = u32>, len: usize) -> usize {
+    let blocks: Vec<([u8; HASH_BYTES], Vec<Vec<u8>>)> = ids
+        .into_iter()
+        .map(|i| (hash(i), vec![block(i, len)]))
+        .collect();
+    t.store(&blocks).expect("store")
+}
+
+/// Which of blocks `ids` come back byte-exact (`None`: a miss).
+pub fn fetch_blocks(t: &mut RemoteTier, ids: &[u32], len: usize) -> Vec<Option<bool>> {
+    let hashes: Vec<[u8; HASH_BYTES]> = ids.iter().map(|&i| hash(i)).collect();
+    t.fetch(&hashes, len)
+        .expect("fetch")
+        .into_iter()
+        .zip(ids)
+        .map(|(b, &i)| b.map(|b| b.payload() == block(i, len).as_slice()))
+        .collect()
+}

@@ -1,0 +1,320 @@
+//! The disk tier's store: bytes, capacity, restarts, locks, corruption and I/O faults.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+
+use common::disk::{fetch_blocks, hash, options, store_blocks, tier, Scratch, FP};
+use offload_core::tier::disk::{DiskError, DiskProbe, DiskStore, DISABLE_AFTER_ERRORS};
+use offload_core::tier::{KeySpace, LayoutFingerprint, MemoryStore, RemoteStore, StackedStore};
+use offload_core::transfer::FaultPlan;
+
+/// A block size that is no multiple of 4 KiB (nor of 8).
+const ODD: usize = 5003;
+
+fn key(i: u32) -> offload_core::tier::RemoteKey {
+    KeySpace::new("test", FP).unwrap().key(&hash(i)).unwrap()
+}
+
+#[test]
+fn round_trip_is_byte_exact_direct_and_buffered() {
+    for page_cache in [false, true] {
+        for len in [ODD, 4096 - 56, 3 * 4096 + 1] {
+            let s = Scratch::new("rt");
+            let mut o = options(&s.rank_path(), len, 32);
+            o.use_page_cache = page_cache;
+            let store = DiskStore::open(&o).unwrap();
+            assert_eq!(store.is_direct(), !page_cache, "ext4/xfs take O_DIRECT");
+            let mut t = tier(&store);
+            assert_eq!(store_blocks(&mut t, 0..10, len), 10);
+            let got = fetch_blocks(&mut t, &(0..12).collect::<Vec<_>>(), len);
+            assert_eq!(
+                &got[..10],
+                &[Some(true); 10],
+                "len {len} page_cache {page_cache}"
+            );
+            assert_eq!(&got[10..], &[None, None]);
+            let snap = store.snapshot();
+            assert_eq!(snap.writes, 10);
+            assert_eq!(snap.reads, 10);
+            assert_eq!(snap.buffered_io, u64::from(page_cache));
+        }
+    }
+}
+
+#[test]
+fn capacity_is_reserved_and_never_exceeded_with_lru_eviction() {
+    let s = Scratch::new("cap");
+    let o = options(&s.rank_path(), ODD, 4);
+    let store = DiskStore::open(&o).unwrap();
+    let on_disk = |store: &DiskStore| {
+        std::fs::metadata(store.data_path()).unwrap().len()
+            + std::fs::metadata(store.index_path()).unwrap().len()
+    };
+    assert!(on_disk(&store) <= o.capacity_bytes);
+    assert_eq!(store.capacity_blocks(), 4);
+    let mut t = tier(&store);
+    assert_eq!(store_blocks(&mut t, 0..4, ODD), 4);
+    // Touch 0: 1 is the least recently used and goes first.
+    assert_eq!(fetch_blocks(&mut t, &[0], ODD), [Some(true)]);
+    assert_eq!(store_blocks(&mut t, [4], ODD), 1);
+    assert_eq!(
+        fetch_blocks(&mut t, &[0, 1, 2, 3, 4], ODD),
+        [Some(true), None, Some(true), Some(true), Some(true)]
+    );
+    // One block per batch: a batch larger than the capacity would find its own
+    // blocks' slots busy.
+    for i in 5..20 {
+        assert_eq!(store_blocks(&mut t, [i], ODD), 1);
+    }
+    let snap = store.snapshot();
+    assert_eq!(snap.resident_blocks, 4);
+    assert_eq!(snap.evictions, 16);
+    assert!(on_disk(&store) <= o.capacity_bytes);
+    assert!(snap.capacity_bytes <= o.capacity_bytes);
+    // The four most recent are the ones kept.
+    assert_eq!(
+        fetch_blocks(&mut t, &[16, 17, 18, 19], ODD),
+        [Some(true); 4]
+    );
+}
+
+#[test]
+fn without_persist_files_are_emptied_at_start_and_removed_at_shutdown() {
+    let s = Scratch::new("nopersist");
+    let mut o = options(&s.rank_path(), ODD, 8);
+    o.persist = true;
+    {
+        let store = DiskStore::open(&o).unwrap();
+        assert_eq!(store_blocks(&mut tier(&store), 0..3, ODD), 3);
+    }
+    assert_eq!(s.files(), ["kv.rank_0", "kv.rank_0.idx"]);
+    o.persist = false;
+    let store = DiskStore::open(&o).unwrap();
+    assert_eq!(store.snapshot().recovered_blocks, 0);
+    assert_eq!(
+        fetch_blocks(&mut tier(&store), &[0, 1, 2], ODD),
+        [None, None, None]
+    );
+    drop(store);
+    assert!(s.files().is_empty(), "{:?}", s.files());
+}
+
+#[test]
+fn restart_with_persist_rebuilds_the_index_and_serves_blocks() {
+    let s = Scratch::new("persist");
+    let mut o = options(&s.rank_path(), ODD, 64);
+    o.persist = true;
+    {
+        let store = DiskStore::open(&o).unwrap();
+        assert_eq!(store_blocks(&mut tier(&store), 0..40, ODD), 40);
+    }
+    let store = DiskStore::open(&o).unwrap();
+    let snap = store.snapshot();
+    assert_eq!(snap.recovered_blocks, 40);
+    assert_eq!(snap.resident_blocks, 40);
+    let ids: Vec<u32> = (0..40).collect();
+    assert_eq!(
+        fetch_blocks(&mut tier(&store), &ids, ODD),
+        vec![Some(true); 40]
+    );
+    drop(store);
+    // Another layout (model, dtype, weights...) never sees them: the files are wiped.
+    let mut other = o.clone();
+    other.fingerprint = LayoutFingerprint(FP.0 + 1);
+    let store = DiskStore::open(&other).unwrap();
+    assert_eq!(store.snapshot().recovered_blocks, 0);
+}
+
+#[test]
+fn a_second_engine_on_the_same_path_is_refused() {
+    let s = Scratch::new("lock");
+    let o = options(&s.rank_path(), ODD, 8);
+    let first = DiskStore::open(&o).unwrap();
+    let err = DiskStore::open(&o).unwrap_err();
+    assert!(matches!(err, DiskError::Locked { .. }), "{err}");
+    assert!(err.to_string().contains("kv.rank_0.idx"), "{err}");
+    drop(first);
+    assert!(DiskStore::open(&o).is_ok(), "the lock goes with the engine");
+}
+
+#[test]
+fn corrupted_and_truncated_blocks_are_counted_misses_and_free_their_slot() {
+    let s = Scratch::new("corrupt");
+    let store = DiskStore::open(&options(&s.rank_path(), ODD, 16)).unwrap();
+    let mut t = tier(&store);
+    assert_eq!(store_blocks(&mut t, 0..3, ODD), 3);
+    let data = std::fs::OpenOptions::new()
+        .write(true)
+        .open(store.data_path())
+        .unwrap();
+    // A flipped payload byte: caught by the full checksum.
+    let at = store.offset_of(&key(0)).unwrap();
+    data.write_all_at(&[0xff, 0x00, 0xff], at + 2000).unwrap();
+    // A flipped trailer: caught against the index entry.
+    let at = store.offset_of(&key(1)).unwrap();
+    data.write_all_at(
+        &[0x42; 8],
+        at + common::disk::HASH_BYTES as u64 + 32 + ODD as u64,
+    )
+    .unwrap();
+    assert_eq!(
+        fetch_blocks(&mut t, &[0, 1, 2], ODD),
+        [None, None, Some(true)]
+    );
+    let snap = store.snapshot();
+    assert_eq!(snap.checksum_failures, 2);
+    assert_eq!(snap.resident_blocks, 1);
+    assert!(store.offset_of(&key(0)).is_none(), "slot freed");
+    assert_eq!(
+        t.stats().snapshot().corrupt_values,
+        0,
+        "the store caught both, on its own threads"
+    );
+    // Truncated file: a short read is a miss, never a hang or a panic.
+    data.set_len(0).unwrap();
+    assert_eq!(fetch_blocks(&mut t, &[2], ODD), [None]);
+    assert_eq!(store.snapshot().errors_short, 1);
+}
+
+#[test]
+fn a_half_written_block_is_never_served_after_restart() {
+    let s = Scratch::new("torn");
+    let mut o = options(&s.rank_path(), ODD, 16);
+    o.persist = true;
+    let slot_bytes = (o.value_bytes.div_ceil(4096) * 4096) as usize;
+    {
+        let store = DiskStore::open(&o).unwrap();
+        assert_eq!(store_blocks(&mut tier(&store), 0..3, ODD), 3);
+        let data = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.data_path())
+            .unwrap();
+        // Block 0: the entry committed, the data only half there (a crash mid-write).
+        let at = store.offset_of(&key(0)).unwrap();
+        data.write_all_at(&vec![0u8; slot_bytes / 2], at + slot_bytes as u64 / 2)
+            .unwrap();
+        // Block 1: its entry torn (written without its checksum).
+        let slot = store.offset_of(&key(1)).unwrap() / slot_bytes as u64;
+        let idx = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.index_path())
+            .unwrap();
+        idx.write_all_at(&[0x13; 20], 4096 + slot * 64 + 30)
+            .unwrap();
+    }
+    let store = DiskStore::open(&o).unwrap();
+    assert_eq!(
+        store.snapshot().recovered_blocks,
+        2,
+        "the torn entry is not an entry"
+    );
+    assert_eq!(
+        fetch_blocks(&mut tier(&store), &[0, 1, 2], ODD),
+        [None, None, Some(true)]
+    );
+    assert_eq!(store.snapshot().checksum_failures, 1);
+}
+
+#[test]
+fn injected_write_faults_are_counted_skips() {
+    let s = Scratch::new("enospc");
+    let mut o = options(&s.rank_path(), ODD, 16);
+    o.faults = FaultPlan::parse("disk_enospc_every=2,disk_write_eio_every=3").unwrap();
+    let store = DiskStore::open(&o).unwrap();
+    let mut t = tier(&store);
+    // Writes 2 and 4 ENOSPC, 3 EIO (6 would be ENOSPC): 1, 5 written.
+    assert_eq!(store_blocks(&mut t, 0..5, ODD), 2);
+    let snap = store.snapshot();
+    assert_eq!(
+        (snap.errors_enospc, snap.errors_eio, snap.writes),
+        (2, 1, 2)
+    );
+    assert_eq!(t.stats().snapshot().writes_failed, 3);
+    let got = fetch_blocks(&mut t, &(0..5).collect::<Vec<_>>(), ODD);
+    assert_eq!(got.iter().filter(|g| **g == Some(true)).count(), 2);
+    assert!(got.iter().all(|g| *g != Some(false)));
+    assert_eq!(snap.resident_blocks, 2);
+}
+
+#[test]
+fn injected_read_faults_are_misses() {
+    let s = Scratch::new("eio");
+    let mut o = options(&s.rank_path(), ODD, 16);
+    o.faults =
+        FaultPlan::parse("disk_read_eio_every=3,disk_short_read_every=4,disk_corrupt_read_every=5")
+            .unwrap();
+    o.io_threads = 1;
+    let store = DiskStore::open(&o).unwrap();
+    let mut t = tier(&store);
+    assert_eq!(store_blocks(&mut t, 0..6, ODD), 6);
+    let got = fetch_blocks(&mut t, &(0..5).collect::<Vec<_>>(), ODD);
+    // Reads 3 (EIO), 4 (short) and 5 (a flipped byte) fail; the rest are exact.
+    assert_eq!(got, [Some(true), Some(true), None, None, None]);
+    let snap = store.snapshot();
+    assert_eq!(
+        (snap.errors_eio, snap.errors_short, snap.checksum_failures),
+        (1, 1, 1)
+    );
+}
+
+#[test]
+fn repeated_errors_disable_the_tier() {
+    let s = Scratch::new("disable");
+    let mut o = options(&s.rank_path(), ODD, 64);
+    o.faults = FaultPlan::parse("disk_write_eio_every=1").unwrap();
+    let store = DiskStore::open(&o).unwrap();
+    let mut t = tier(&store);
+    let n = DISABLE_AFTER_ERRORS as u32;
+    assert_eq!(store_blocks(&mut t, 0..n, ODD), 0);
+    let snap = store.snapshot();
+    assert_eq!((snap.disabled, snap.errors_eio), (1, u64::from(n)));
+    // Off: nothing more reaches the disk, every call still answers.
+    assert_eq!(store_blocks(&mut t, n..n + 5, ODD), 0);
+    assert_eq!(fetch_blocks(&mut t, &[0], ODD), [None]);
+    assert_eq!(store.snapshot().errors_eio, u64::from(n));
+}
+
+#[test]
+fn the_schedulers_probe_sees_what_the_worker_wrote() {
+    let s = Scratch::new("probe");
+    let mut probe = DiskProbe::new(s.rank_path(), FP);
+    assert_eq!(probe.exists(&[key(0)]), [Ok(false)], "no files yet");
+    let store = DiskStore::open(&options(&s.rank_path(), ODD, 16)).unwrap();
+    assert_eq!(store_blocks(&mut tier(&store), 0..3, ODD), 3);
+    let got: Vec<bool> = probe
+        .exists(&[key(0), key(1), key(2), key(3)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(got, [true, true, true, false]);
+    assert!(
+        probe.get(&[key(0)])[0].is_err(),
+        "the probe never reads blocks"
+    );
+    let mut foreign = DiskProbe::new(s.rank_path(), LayoutFingerprint(1));
+    assert_eq!(foreign.exists(&[key(0)]), [Ok(false)]);
+}
+
+#[test]
+fn disk_in_front_of_a_remote_store() {
+    let s = Scratch::new("stack");
+    let store = DiskStore::open(&options(&s.rank_path(), ODD, 16)).unwrap();
+    let remote = MemoryStore::default();
+    let keys = KeySpace::new("test", FP).unwrap();
+    let stats = std::sync::Arc::new(offload_core::tier::TierStats::default());
+    let stacked = StackedStore::new(Box::new(store.clone()), Box::new(remote.clone()));
+    let mut t = offload_core::tier::RemoteTier::new(Box::new(stacked), keys, stats);
+    assert_eq!(store_blocks(&mut t, 0..4, ODD), 4);
+    assert!(remote.get_raw(&key(3)).is_some(), "written to both");
+    assert_eq!(store.snapshot().writes, 4);
+    // Block 9 only remote: found there after the disk missed.
+    let mut only_remote = tier(&store);
+    let value = offload_core::tier::value::encode(FP, &hash(9), &[&common::disk::block(9, ODD)]);
+    remote.set_raw(key(9), value);
+    assert_eq!(fetch_blocks(&mut t, &[0, 9], ODD), [Some(true), Some(true)]);
+    assert_eq!(fetch_blocks(&mut only_remote, &[9], ODD), [None]);
+    assert_eq!(store.snapshot().reads, 1);
+}
