@@ -15,6 +15,7 @@ use offload_core::tier::{
     WorkerTier,
 };
 use offload_core::transfer::{Direction, RegionSpec, TransferConfig, TransferEngine, TransferJob};
+use offload_core::GroupKind;
 use offload_core::{BlockHash, KvEvent, LookupOutcome, Planner, PlannerConfig};
 
 const BS: u32 = 16;
@@ -34,7 +35,10 @@ fn tier(store: &MemoryStore, stats: &Arc<TierStats>) -> RemoteTier {
 }
 
 fn planner(store: &MemoryStore, cpu_blocks: u32) -> Planner {
-    let mut p = Planner::new(PlannerConfig::new(BS, cpu_blocks).with_events(true));
+    let mut p = Planner::new(
+        PlannerConfig::new(BS, cpu_blocks).with_events(true),
+        &[GroupKind::FullAttention],
+    );
     let stats = Arc::new(TierStats::default());
     p.attach_remote(ProbeQueue::spawn(tier(store, &stats)).unwrap(), stats);
     p
@@ -100,7 +104,7 @@ fn fetched_blocks_are_announced_like_stored_ones() {
 
 #[test]
 fn without_a_remote_tier_the_lookup_is_the_local_one() {
-    let mut p = Planner::new(PlannerConfig::new(BS, 8));
+    let mut p = Planner::new(PlannerConfig::new(BS, 8), &[GroupKind::FullAttention]);
     let h = chain(4);
     assert!(!p.has_remote());
     assert_eq!(
@@ -145,8 +149,8 @@ fn a_remote_prefix_is_pending_then_fetched_then_a_hit() {
     let (s, _) = p.remote_stats().unwrap();
     assert_eq!((s.fetched_blocks, s.remote_hit_tokens), (3, 48));
     // The fetched blocks load like any local hit.
-    p.on_alloc("a", &[10, 11, 12, 13, 14, 15], 0, 48).unwrap();
-    let plan = p.schedule::<Vec<BlockHash>>([], []).unwrap();
+    p.on_alloc("a", &[[10, 11, 12, 13, 14, 15]], 0, 48).unwrap();
+    let plan = p.schedule::<Vec<BlockHash>, Vec<u32>>([], []).unwrap();
     assert_eq!(plan.loads[0].cpu_blocks, jobs[0].cpu_blocks);
     // Another request finds them locally: no second fetch.
     assert_eq!(
@@ -340,8 +344,8 @@ fn a_failed_load_of_fetched_blocks_is_recomputed_not_fetched_again() {
         p.lookup_tiered("a", &h, 81, 0).unwrap(),
         LookupOutcome::Hit { tokens: 48, .. }
     ));
-    p.on_alloc("a", &[10, 11, 12, 13, 14, 15], 0, 48).unwrap();
-    let plan = p.schedule::<Vec<BlockHash>>([], []).unwrap();
+    p.on_alloc("a", &[[10, 11, 12, 13, 14, 15]], 0, 48).unwrap();
+    let plan = p.schedule::<Vec<BlockHash>, Vec<u32>>([], []).unwrap();
     p.complete(plan.loads[0].id, false).unwrap();
     // vLLM asks again for a request whose async load failed: the failed blocks left the
     // CPU tier, and the answer is to recompute, not another round of the same fetch.

@@ -19,8 +19,8 @@ use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
 use crate::free_queue::{self, Walk};
 use crate::running::RunningWatch;
 use crate::step::{
-    all_group_ids, group0_ids, lazy_candidates, req_id, same_len, scheduled_requests, step_lists,
-    step_or_none, step_to_py, StepTuple,
+    all_group_ids, lazy_candidates, req_id, same_len, scheduled_requests, step_lists, step_or_none,
+    step_to_py, StepTuple,
 };
 use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of, tier_counters};
 use crate::transfer::ids_from_bytes;
@@ -99,7 +99,7 @@ impl PyPlanner {
             .map(|(i, (kind, window))| group_kind(i, &kind, window))
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Self {
-            inner: Planner::with_groups(cfg, &kinds),
+            inner: Planner::new(cfg, &kinds),
             reported: PlannerStats::default(),
             reported_remote: Vec::new(),
             reported_gauges: None,
@@ -212,8 +212,8 @@ impl PyPlanner {
         self.inner.has_remote()
     }
 
-    /// The scheduler allocated `gpu_block_ids` (a list of group 0's ids, or a tuple of
-    /// one list per KV-cache group) and accepted `num_external_tokens`.
+    /// The scheduler allocated `gpu_block_ids` (a tuple of one list per KV-cache group,
+    /// or the list of a model with one group) and accepted `num_external_tokens`.
     fn on_alloc(
         &mut self,
         req_id: &str,
@@ -223,24 +223,20 @@ impl PyPlanner {
     ) -> PyResult<()> {
         let nct = count(num_computed_tokens, "num_computed_tokens")?;
         let ext = count(num_external_tokens, "num_external_tokens")?;
-        if gpu_block_ids.is_instance_of::<PyTuple>()
-            || self.inner.groups() != [GroupKind::FullAttention]
-        {
-            let per_group = all_group_ids(gpu_block_ids)?;
-            return self
-                .inner
-                .on_alloc_groups(req_id, &per_group, nct, ext)
-                .map_err(plan_err);
-        }
-        let ids = block_ids(gpu_block_ids, "gpu_block_ids")?;
+        let tables = if gpu_block_ids.is_none() || gpu_block_ids.is_instance_of::<PyTuple>() {
+            all_group_ids(gpu_block_ids)?
+        } else {
+            vec![block_ids(gpu_block_ids, "gpu_block_ids")?]
+        };
         self.inner
-            .on_alloc(req_id, &ids, nct, ext)
+            .on_alloc(req_id, &tables, nct, ext)
             .map_err(plan_err)
     }
 
-    /// `on_alloc` for a planner of one full-attention group, given vLLM's allocated
-    /// blocks of group 0 (a sequence of objects with a `block_id`): only the blocks the load
-    /// fills are read, not the whole table (a long prompt's GPU hit included).
+    /// `on_alloc` given vLLM's allocated blocks (`KVCacheBlocks.blocks`: a tuple of one
+    /// sequence of objects with a `block_id` per KV-cache group, or the sequence of a
+    /// model with one group): only the blocks the load fills are read, not the whole
+    /// tables (a long prompt's GPU hit included).
     fn on_alloc_blocks(
         &mut self,
         req_id: &str,
@@ -250,27 +246,16 @@ impl PyPlanner {
     ) -> PyResult<()> {
         let nct = count(num_computed_tokens, "num_computed_tokens")?;
         let ext = count(num_external_tokens, "num_external_tokens")?;
-        let window = self.inner.alloc_window(req_id, nct, ext).ok_or_else(|| {
-            INVALID_INPUT_ERROR.err(
-                "on_alloc_blocks: this planner has KV-cache groups; pass every group's block \
-                 ids to on_alloc",
-            )
-        })?;
-        let end = window.end.min(blocks.len()?);
-        let name = intern!(blocks.py(), "block_id");
-        // A long prompt's hit is a hundred blocks or more: one allocation, and vLLM's
-        // list indexed directly.
-        let mut ids = Vec::with_capacity(end.saturating_sub(window.start));
-        let list = blocks.cast::<PyList>().ok();
-        for i in window.start..end {
-            let block = match list {
-                Some(list) => list.get_item(i)?,
-                None => blocks.get_item(i)?,
-            };
-            ids.push(block_id(&block.getattr(name)?, "blocks")?);
-        }
+        let window = self.inner.alloc_window(req_id, nct, ext);
+        let windows = match blocks.cast::<PyTuple>() {
+            Ok(groups) => groups
+                .iter()
+                .map(|g| window_ids(&g, window.clone()))
+                .collect::<PyResult<Vec<_>>>()?,
+            Err(_) => vec![window_ids(blocks, window.clone())?],
+        };
         self.inner
-            .on_alloc_window(req_id, &ids, ext)
+            .on_alloc_window(req_id, window.start, &windows, ext)
             .map_err(plan_err)
     }
 
@@ -364,7 +349,7 @@ impl PyPlanner {
     }
 
     /// [`schedule`](Self::schedule) for a planner that does not read the scheduled
-    /// requests (`reads_scheduled_requests` is false: lazy, one KV-cache group): only the
+    /// requests (`reads_scheduled_requests` is false: lazy mode): only the
     /// step's lazy candidates cross, not eight empty request arguments every step.
     #[pyo3(signature = (lazy_gpu_block_ids = None, lazy_block_hashes = None, strip = 0))]
     fn schedule_lazy<'py>(
@@ -376,12 +361,12 @@ impl PyPlanner {
     ) -> PyResult<Option<StepTuple<'py>>> {
         if self.inner.reads_scheduled_requests() {
             return Err(INVALID_INPUT_ERROR.err(
-                "schedule_lazy: this planner reads the scheduled requests (eager mode, or \
-                 several KV-cache groups); call schedule or schedule_output",
+                "schedule_lazy: this planner reads the scheduled requests (eager mode); call \
+                 schedule or schedule_output",
             ));
         }
         let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
-        let none = std::iter::empty::<ScheduledRequest<'_, PyHashes<'py>>>();
+        let none = std::iter::empty::<ScheduledRequest<'_, PyHashes<'py>, Vec<Vec<u32>>>>();
         let plan = self.inner.schedule(none, lazy).map_err(plan_err)?;
         Ok(step_or_none(py, plan))
     }
@@ -628,17 +613,9 @@ impl PyPlanner {
         // allocation per request per step.
         let n = new_req_ids.len() + cached_req_ids.len();
         let mut names: Vec<Bound<'py, PyString>> = Vec::with_capacity(n);
-        // Group 0's table, or (multi-group planners) every group's; the other is empty.
-        type Tables = (Vec<u32>, Vec<Vec<u32>>);
-        let mut rows: Vec<(ScheduleKind, usize, usize, Tables)> = Vec::with_capacity(n);
-        let multi = self.inner.groups() != [GroupKind::FullAttention];
-        let tables = |v: &Bound<'py, PyAny>| -> PyResult<Tables> {
-            if multi {
-                Ok((Vec::new(), all_group_ids(v)?))
-            } else {
-                Ok((group0_ids(v)?, Vec::new()))
-            }
-        };
+        // Every KV-cache group's table.
+        let mut rows: Vec<(ScheduleKind, usize, usize, Vec<Vec<u32>>)> = Vec::with_capacity(n);
+        let tables = |v: &Bound<'py, PyAny>| all_group_ids(v);
         let scheduled_tokens = |name: &Bound<'py, PyString>| -> PyResult<usize> {
             let Some(map) = num_scheduled_tokens else {
                 return Ok(0);
@@ -665,8 +642,8 @@ impl PyPlanner {
             names.push(name);
         }
         let any_resumed = resumed_req_ids.len().unwrap_or(0) > 0;
-        // Eager, one group: running requests that fill no block skip the core.
-        let watch = !multi && self.inner.reads_scheduled_requests();
+        // Eager: running requests that fill no block skip the core (see `store_due`).
+        let watch = self.inner.reads_scheduled_requests();
         if watch {
             self.running.begin(n);
         }
@@ -707,15 +684,8 @@ impl PyPlanner {
         for name in &names {
             ids.push(name.to_str()?);
         }
-        let plan = if multi {
-            let tables = rows.into_iter().map(|(k, c, n, (_, all))| (k, c, n, all));
-            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
-            self.inner.schedule_groups(scheduled, lazy)
-        } else {
-            let tables = rows.into_iter().map(|(k, c, n, (one, _))| (k, c, n, one));
-            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
-            self.inner.schedule(scheduled, lazy)
-        };
+        let scheduled = scheduled_requests(rows.into_iter(), &ids, &names, hash_lists);
+        let plan = self.inner.schedule(scheduled, lazy);
         if watch {
             // Recorded even when the step failed: the core kept the other requests.
             for (place, i) in passed {
@@ -763,6 +733,25 @@ fn counters(s: &PlannerStats) -> [(&'static str, u64); 12] {
         ("failed_stores", s.failed_stores),
         ("rewritten_hash_lists", s.rewritten_hash_lists),
     ]
+}
+
+/// The `block_id`s of `blocks` (a sequence of vLLM's `KVCacheBlock`) at positions
+/// `window`, cut short where the sequence ends.
+fn window_ids(blocks: &Bound<'_, PyAny>, window: std::ops::Range<usize>) -> PyResult<Vec<u32>> {
+    let end = window.end.min(blocks.len()?);
+    let name = intern!(blocks.py(), "block_id");
+    // A long prompt's hit is a hundred blocks or more: one allocation, and vLLM's
+    // list indexed directly.
+    let mut ids = Vec::with_capacity(end.saturating_sub(window.start));
+    let list = blocks.cast::<PyList>().ok();
+    for i in window.start..end {
+        let block = match list {
+            Some(list) => list.get_item(i)?,
+            None => blocks.get_item(i)?,
+        };
+        ids.push(block_id(&block.getattr(name)?, "blocks")?);
+    }
+    Ok(ids)
 }
 
 /// KV-cache group `index`'s kind from vLLM's spec kind name and its sliding window (its

@@ -150,21 +150,6 @@ pub(crate) fn scheduled_requests<'a, 'py, B>(
     )
 }
 
-/// vLLM passes block ids per KV-cache group (`tuple[list[int], ...]`) or `None`.
-pub(crate) fn group0_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    // Most running requests get no new block in a step.
-    if v.is_none() {
-        return Ok(Vec::new());
-    }
-    if let Ok(t) = v.cast::<PyTuple>() {
-        return match t.len() {
-            0 => Ok(Vec::new()),
-            _ => block_ids(&t.get_item(0)?, "block_ids"),
-        };
-    }
-    block_ids(v, "block_ids")
-}
-
 /// Every group's ids of a `tuple[list[int], ...]` (a missing or `None` entry: none).
 pub(crate) fn all_group_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
     if v.is_none() {

@@ -66,7 +66,6 @@ from kvoffload.vllm_adapter.gpu_blocks import (
     GROUP_ID_BYTES,
     FreeQueueWalker,
     GpuBlockHolder,
-    allocated_block_ids_per_group,
     allocated_blocks,
     skips_prefix_cache,
 )
@@ -93,7 +92,6 @@ __all__ = [
     "Region",
     "SupportsHMA",
     "all_blocks_cleared",
-    "allocated_block_ids_per_group",
     "allocated_blocks",
     "block_removed",
     "block_size",

@@ -19,7 +19,10 @@ use crate::pool::BlockState;
 use crate::tier::{ProbeQueue, TierSnapshot, TierStats};
 
 use super::types::{HashSource, TransferId};
-use super::{Planner, GROUP};
+use super::Planner;
+
+/// The KV-cache group of the blocks the remote tier serves (its keys name no group).
+const GROUP: u32 = 0;
 
 /// Block hashes whose fetch failed that are remembered, so a chain is cut before them:
 /// enough for every prefix in flight, small enough to never matter in memory.
@@ -140,7 +143,7 @@ pub(super) struct RemoteState {
 impl Planner {
     /// Adds a remote tier behind the CPU tier: `probes` answers existence checks (its tier's
     /// counters are `tier_stats`), and [`Self::lookup_tiered`] uses it. It keys blocks by
-    /// hash alone, so a planner with several KV-cache groups ([`Self::with_groups`]) never
+    /// hash alone, so a planner with several KV-cache groups never
     /// consults it.
     pub fn attach_remote(&mut self, probes: ProbeQueue, tier_stats: Arc<TierStats>) {
         self.remote = Some(Box::new(RemoteState {
@@ -186,7 +189,7 @@ impl Planner {
         };
         // Keys name one KV-cache group: a planner of several is served locally only (the
         // connector does not attach a tier to one).
-        if self.groups.is_some() {
+        if self.kinds.len() > 1 {
             return Ok(hit);
         }
         let bs = self.cfg.block_size as usize;
