@@ -99,6 +99,21 @@ def test_remote_config_is_validated_and_never_shows_a_password() -> None:
     assert "hunter2" not in str(info.value)
 
 
+def test_remote_url_takes_a_list_of_seeds() -> None:
+    """A JSON list of seeds is the comma-separated string's equal."""
+    seeds = ["redis://u:hunter2@a:7000", "redis://b:7001"]
+    listed, _ = kvoffload.parse_config({"remote_url": seeds}, 1)
+    joined, _ = kvoffload.parse_config({"remote_url": ",".join(seeds)}, 1)
+    assert listed.remote is not None
+    assert joined.remote is not None
+    assert listed.remote["url"] == joined.remote["url"]
+    assert "b:7001" in listed.remote["url"]
+    assert "hunter2" not in listed.remote["url"]
+    for bad in ([], ["redis://a:1", 7], [["redis://a:1"]]):
+        with pytest.raises(kvoffload.ConfigError, match="remote_url"):
+            kvoffload.parse_config({"remote_url": bad}, 1)
+
+
 def test_config_must_be_a_mapping() -> None:
     with pytest.raises(kvoffload.ConfigError):
         kvoffload.parse_config([("cpu_bytes_to_use", 1)], 1)

@@ -111,9 +111,9 @@ class Planner:
     def attach_remote(self, config: OffloadConfig, layout: Mapping[str, Any]) -> None:
         """Connects the remote tier of ``config`` with the keys of ``layout``; raises
         ``RemoteTierError`` when the store cannot be used."""
-    def take_fetches(self) -> list[tuple[int, str, bytes, bytes, int]]:
-        """``(transfer_id, req_id, hashes, cpu_blocks, first_block)``: 16-byte hashes,
-        u32 ids; ``first_block`` is the first hash's position in the request."""
+    def take_fetches(self) -> list[tuple[int, str, bytes, bytes, list[tuple[int, int]]]]:
+        """``(transfer_id, req_id, keys, cpu_blocks, blocks)``: 16-byte remote keys, u32
+        ids; ``blocks``: each block's ``(kv_cache_group, position in the request)``."""
     def complete_fetches(self, reports: list[tuple[int, int]]) -> list[int]:
         """Applies per-rank reports ``(transfer_id, filled)``; the fetches now retired."""
     def block_hashes(self, cpu_blocks: bytes) -> tuple[bytes, bytes]:

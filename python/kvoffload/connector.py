@@ -201,13 +201,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         engine cannot share blocks: said once, with the fix)."""
         if config.remote is None:
             return None
-        why = remote_unsupported(vllm_config, kv_group_kinds(kv_cache_config))
+        why = remote_unsupported(vllm_config)
         if why is not None:
             logger.warning("KVOffloadConnector: remote tier disabled: %s", why)
             return None
         # The scheduler probes with the keys of tensor rank 0, which writes them too.
         rank = 0 if role == KVConnectorRole.SCHEDULER else tensor_parallel_rank()
-        return remote_layout(vllm_config, block_size(kv_cache_config, vllm_config), rank)
+        bs = block_size(kv_cache_config, vllm_config)
+        return remote_layout(vllm_config, bs, rank, kv_group_kinds(kv_cache_config))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

@@ -69,6 +69,7 @@ pub const DEFAULT_CPU_BYTES: u64 = 8 << 30;
 
 /// One value of the key/value map, as it arrives from JSON or Python.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum ConfigValue {
     /// An integer.
     Int(i128),
@@ -80,6 +81,8 @@ pub enum ConfigValue {
     Str(String),
     /// `null` / `None`.
     Null,
+    /// A JSON array or a Python list or tuple (`remote_url`'s seeds).
+    List(Vec<ConfigValue>),
     /// Any other type; the string is its type name, for the error message.
     Other(String),
 }
@@ -92,6 +95,16 @@ impl fmt::Display for ConfigValue {
             Self::Bool(v) => write!(f, "{v} (bool)"),
             Self::Str(v) => write!(f, "{v:?} (str)"),
             Self::Null => f.write_str("None"),
+            Self::List(items) => {
+                f.write_str("[")?;
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(", ")?;
+                    }
+                    write!(f, "{v}")?;
+                }
+                f.write_str("] (list)")
+            }
             Self::Other(t) => write!(f, "a value of type {t}"),
         }
     }
@@ -294,7 +307,7 @@ pub(crate) fn parse_bytes(key: &str, value: &ConfigValue) -> Result<u64, ConfigE
             .replace('_', "")
             .parse::<i128>()
             .map_err(|_| invalid("must be a whole number of bytes"))?,
-        ConfigValue::Bool(_) | ConfigValue::Null | ConfigValue::Other(_) => {
+        ConfigValue::Bool(_) | ConfigValue::Null | ConfigValue::List(_) | ConfigValue::Other(_) => {
             return Err(ConfigError::WrongType {
                 key: key.to_string(),
                 expected: "a positive integer number of bytes",
@@ -442,7 +455,8 @@ mod tests {
             ConfigValue::Float(f64::NAN),
             ConfigValue::Str("abc".into()),
             ConfigValue::Bool(true),
-            ConfigValue::Other("list".into()),
+            ConfigValue::Other("dict".into()),
+            ConfigValue::List(vec![ConfigValue::Int(1)]),
             ConfigValue::Int(i128::from(u64::MAX) + 1),
         ];
         for key in [KEY_CPU_BYTES, KEY_CPU_BYTES_PER_RANK] {
@@ -456,6 +470,7 @@ mod tests {
                     ConfigValue::Float(f) => f.to_string(),
                     ConfigValue::Int(i) => i.to_string(),
                     ConfigValue::Bool(b) => b.to_string(),
+                    ConfigValue::List(_) => "list".to_string(),
                     ConfigValue::Null => unreachable!(),
                 };
                 assert!(msg.contains(&shown), "{msg} lacks {shown}");

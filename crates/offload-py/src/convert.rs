@@ -5,7 +5,7 @@ use std::cell::OnceCell;
 use offload_core::{BlockHash, ConfigValue, HashError, HashSource};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyMapping, PyString};
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 
 use crate::errors::INVALID_INPUT_ERROR;
 
@@ -25,6 +25,15 @@ pub(crate) fn config_value(v: &Bound<'_, PyAny>) -> ConfigValue {
             .map_or_else(|_| ConfigValue::Other("float".into()), ConfigValue::Float)
     } else if let Ok(s) = v.cast::<PyString>() {
         ConfigValue::Str(s.to_string())
+    } else if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        match v.try_iter() {
+            Ok(items) => ConfigValue::List(
+                items
+                    .map(|item| item.map_or(ConfigValue::Null, |i| config_value(&i)))
+                    .collect(),
+            ),
+            Err(_) => ConfigValue::Other("list".into()),
+        }
     } else {
         let name = v
             .get_type()

@@ -25,8 +25,15 @@ use crate::step::{
 use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of, tier_counters};
 use crate::transfer::ids_from_bytes;
 
-/// `(id, req_id, hashes, cpu_blocks)`: 16-byte hashes, little-endian u32 block ids.
-type FetchTuple<'py> = (u64, String, Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize);
+/// `(id, req_id, keys, cpu_blocks, blocks)`: 16-byte remote keys, little-endian u32 block
+/// ids, and each block's `(group, position)` in its request.
+type FetchTuple<'py> = (
+    u64,
+    String,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Vec<(u32, usize)>,
+);
 /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
 /// retired_stores)`.
 type CompleteTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u64>);
@@ -155,8 +162,8 @@ impl PyPlanner {
     }
 
     /// Fetches planned since the last call, for the workers:
-    /// `(transfer_id, req_id, hashes, cpu_blocks, first_block)` (16-byte hashes,
-    /// little-endian u32 ids; `first_block`: the first hash's position in the request).
+    /// `(transfer_id, req_id, keys, cpu_blocks, blocks)` (16-byte remote keys,
+    /// little-endian u32 ids; `blocks`: each block's `(group, position)` in the request).
     fn take_fetches<'py>(&mut self, py: Python<'py>) -> Vec<FetchTuple<'py>> {
         self.inner
             .take_fetches()
@@ -167,7 +174,7 @@ impl PyPlanner {
                     f.req_id,
                     hashes_to_bytes(py, f.hashes),
                     ids_to_bytes(py, &f.cpu_blocks),
-                    f.first_block,
+                    f.blocks,
                 )
             })
             .collect()

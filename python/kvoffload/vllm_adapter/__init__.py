@@ -31,7 +31,6 @@ from vllm.logger import init_logger
 from kvoffload.vllm_adapter.config import (
     BLOCK_OUTER_LAYOUT,
     FAULTS_ENV,
-    FULL_KINDS,
     OFFLOADABLE_KINDS,
     block_size,
     bytes_per_block,
@@ -74,7 +73,6 @@ from kvoffload.vllm_adapter.kv_tensors import Region, kv_regions, merge_adjacent
 __all__ = [
     "BLOCK_OUTER_LAYOUT",
     "FAULTS_ENV",
-    "FULL_KINDS",
     "GROUP_ID_BYTES",
     "HOST_HIT_SOURCE",
     "OFFLOADABLE_KINDS",

@@ -25,9 +25,13 @@ def world_size(vllm_config: Any) -> int:
     return int(vllm_config.parallel_config.world_size)
 
 
-def remote_layout(vllm_config: Any, block_size: int, tp_rank: int) -> dict[str, Any]:
+def remote_layout(
+    vllm_config: Any, block_size: int, tp_rank: int, kinds: list[tuple[str, int | None]]
+) -> dict[str, Any]:
     """What decides the meaning of a block's bytes on this rank: the remote tier's keys
-    (``offload_core::tier::KvLayout``). Scheduler and workers build it the same way."""
+    (``offload_core::tier::KvLayout``). Scheduler and workers build it the same way.
+    ``kinds``: the KV-cache groups' ``(kind, window)`` (see ``kv_group_kinds``), part of
+    the model's identity: a group's blocks hold its layers only."""
     import os
 
     from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
@@ -41,8 +45,9 @@ def remote_layout(vllm_config: Any, block_size: int, tp_rank: int) -> dict[str, 
     # vLLM derives NONE_HASH from PYTHONHASHSEED when set, else (cryptographic hashes) from
     # a fixed default; a random per-process seed is refused by `remote_unsupported`.
     seed = os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
+    groups = ",".join(kind if window is None else f"{kind}:{window}" for kind, window in kinds)
     return {
-        "model_id": str(model.model),
+        "model_id": f"{model.model} [{groups}]",
         "dtype": dtype,
         "block_size": int(block_size),
         "num_layers": int(model.get_num_layers(parallel)),
@@ -56,20 +61,14 @@ def remote_layout(vllm_config: Any, block_size: int, tp_rank: int) -> dict[str, 
     }
 
 
-def remote_unsupported(vllm_config: Any, kinds: list[tuple[str, int | None]]) -> str | None:
-    """Why this engine cannot use a remote tier (with what to change), or ``None``.
-    ``kinds``: the KV-cache groups' ``(kind, window)`` (see ``kv_group_kinds``)."""
+def remote_unsupported(vllm_config: Any) -> str | None:
+    """Why this engine cannot use a remote tier (with what to change), or ``None``. Every
+    model the planner plans can: a remote hit is what every KV-cache group can serve."""
     import os
 
     from kvoffload._native import remote_sharing_problem
 
     parallel = vllm_config.parallel_config
-    if len(kinds) != 1 or kinds[0][0] not in FULL_KINDS:
-        shown = ", ".join(kind for kind, _ in kinds)
-        return (
-            f"the model's KV-cache groups are [{shown}]; the remote tier takes one "
-            "full-attention group"
-        )
     if int(getattr(parallel, "pipeline_parallel_size", 1)) != 1:
         return "pipeline parallelism is not supported by the remote tier"
     if int(getattr(parallel, "decode_context_parallel_size", 1)) != 1:
@@ -112,9 +111,6 @@ def num_kv_groups(kv_cache_config: Any) -> int:
 #: (MLA included) keeps them all for the request's life; sliding window frees those before
 #: its window, which the planner neither stores nor loads.
 OFFLOADABLE_KINDS = frozenset({"full_attention", "mla_attention", "sliding_window", "mamba"})
-
-#: Kinds whose groups hold every block of a request: a hit needs all of them.
-FULL_KINDS = frozenset({"full_attention", "mla_attention"})
 
 
 def model_name(vllm_config: Any) -> str:
