@@ -101,20 +101,23 @@ impl Planner {
             && hit.start == start
             && end <= hit.end;
         if valid {
-            'groups: for ((kind, ghit), window) in self.kinds.iter().zip(&hit.groups).zip(windows) {
-                let window = window.as_ref();
-                for i in kind.first_needed(start, end, bs)..end {
-                    match (ghit.get(i), window.get(i - start)) {
-                        (Some(c), Some(&g)) if self.cache.is_ready(c) => {
-                            cpu.push(c);
-                            gpu.push(g);
-                        }
-                        _ => {
-                            valid = false;
-                            break 'groups;
-                        }
-                    }
+            for ((kind, ghit), window) in self.kinds.iter().zip(&hit.groups).zip(windows) {
+                // The group's blocks of the accepted part, pinned and allocated.
+                let first = kind.first_needed(start, end, bs);
+                let pinned = first
+                    .checked_sub(ghit.from)
+                    .and_then(|lo| ghit.blocks.get(lo..end - ghit.from));
+                let allocated = window.as_ref().get(first - start..end - start);
+                let (Some(pinned), Some(allocated)) = (pinned, allocated) else {
+                    valid = false;
+                    break;
+                };
+                if !pinned.iter().all(|&c| self.cache.is_ready(c)) {
+                    valid = false;
+                    break;
                 }
+                cpu.extend_from_slice(pinned);
+                gpu.extend_from_slice(allocated);
             }
         }
         if valid {

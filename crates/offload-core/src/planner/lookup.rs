@@ -186,12 +186,17 @@ fn fresh_hit<H: HashSource + ?Sized>(
     } = span;
     // Hashes of blocks `start..start + hs.len()`, and each group's blocks from `start`
     // (`BlockId::MAX` where a windowed group has none).
+    // Kept only when another group reads them.
     let mut hs: Vec<BlockHash> = Vec::new();
     let mut end = limit.max(start);
     let first_full = kinds.iter().position(|k| k.keeps_every_block());
+    // A model of one full-attention group reads no hash past the probe.
+    let other_groups = first_full.is_none() || kinds.len() > 1;
+    let mut last = None;
     let first_run = match first_full {
         Some(g) => {
-            let run = probe_run(r, hashes, group_id(g), start, end, cache, &mut hs)?;
+            let keep = other_groups.then_some(&mut hs);
+            let run = probe_run(r, hashes, group_id(g), start, end, cache, keep, &mut last)?;
             end = start + run.len();
             run
         }
@@ -207,8 +212,10 @@ fn fresh_hit<H: HashSource + ?Sized>(
             groups[g].blocks = first_run;
         }
     }
-    for i in start + hs.len()..end {
-        hs.push(r.hash_at(hashes, i)?);
+    if other_groups {
+        for i in start + hs.len()..end {
+            hs.push(r.hash_at(hashes, i)?);
+        }
     }
     // The other full-attention groups bound the run further.
     for (g, kind) in kinds.iter().enumerate() {
@@ -265,14 +272,21 @@ fn fresh_hit<H: HashSource + ?Sized>(
         start,
         end: n,
         num_tokens,
-        last: (n > start).then(|| hs[n - start - 1]),
+        last: if n == start {
+            None
+        } else if !other_groups {
+            last
+        } else {
+            Some(hs[n - start - 1])
+        },
         groups,
     });
     Ok(n - start)
 }
 
 /// The longest run of ready blocks of `group` at positions `start..limit`, read a chunk
-/// at a time; their hashes are appended to `hs`.
+/// at a time; their hashes are appended to `hs` if given, and the last one is `last`.
+#[allow(clippy::too_many_arguments)]
 fn probe_run<H: HashSource + ?Sized>(
     r: &mut Request,
     hashes: &H,
@@ -280,7 +294,8 @@ fn probe_run<H: HashSource + ?Sized>(
     start: usize,
     limit: usize,
     cache: &BlockCache,
-    hs: &mut Vec<BlockHash>,
+    mut hs: Option<&mut Vec<BlockHash>>,
+    last: &mut Option<BlockHash>,
 ) -> Result<Vec<BlockId>, HashError> {
     let mut blocks = Vec::new();
     let mut guess = BlockId::MAX;
@@ -299,7 +314,9 @@ fn probe_run<H: HashSource + ?Sized>(
             if blocks.is_empty() {
                 // A hit: room for the rest of the prefix at once.
                 blocks.reserve(limit - i);
-                hs.reserve(limit - i);
+                if let Some(hs) = hs.as_deref_mut() {
+                    hs.reserve(limit - i);
+                }
                 r.hashes.reserve(limit - i);
             }
             guess = match blocks.last() {
@@ -307,7 +324,10 @@ fn probe_run<H: HashSource + ?Sized>(
                 _ => b.wrapping_add(1),
             };
             blocks.push(b);
-            hs.push(*h);
+            if let Some(hs) = hs.as_deref_mut() {
+                hs.push(*h);
+            }
+            *last = Some(*h);
         }
         i += n;
     }

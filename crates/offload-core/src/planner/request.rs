@@ -26,13 +26,6 @@ pub(super) struct GroupHit {
     pub(super) blocks: Vec<BlockId>,
 }
 
-impl GroupHit {
-    /// The CPU block pinned for position `pos`, if any.
-    pub(super) fn get(&self, pos: usize) -> Option<BlockId> {
-        self.blocks.get(pos.checked_sub(self.from)?).copied()
-    }
-}
-
 /// A pinned lookup result: the request's blocks `start..end` in every group (each group
 /// pins the part of them it needs, see [`GroupKind`](super::GroupKind)).
 #[derive(Debug, Default)]
