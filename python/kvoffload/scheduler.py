@@ -152,9 +152,9 @@ class OffloadScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._planner.on_alloc_blocks(
             request.request_id,
-            allocated_blocks(blocks) if num_external_tokens > 0 else (),
+            allocated_blocks(blocks),
             request.num_computed_tokens,
-            max(num_external_tokens, 0),
+            num_external_tokens,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:

@@ -224,3 +224,12 @@ pub(crate) fn type_name(v: &Bound<'_, PyAny>) -> String {
         .name()
         .map_or_else(|_| "unknown".to_string(), |n| n.to_string())
 }
+
+/// Block ids as little-endian `u32` bytes.
+pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
+    let mut buf = Vec::with_capacity(ids.len() * 4);
+    for id in ids {
+        buf.extend_from_slice(&id.to_le_bytes());
+    }
+    PyBytes::new(py, &buf)
+}

@@ -5,25 +5,24 @@ use std::sync::Arc;
 
 use offload_core::tier::{ProbeQueue, TierStats};
 use offload_core::{
-    BlockHash, GroupKind, KvEvent, LookupOutcome, Planner, PlannerConfig, PlannerStats,
-    ScheduleKind, ScheduledRequest, StepPlan,
+    BlockHash, GroupKind, KvEvent, LookupOutcome, Planner, PlannerConfig, ScheduledRequest,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict, PyList, PyMapping, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyMapping, PyTuple};
 
 use crate::config::PyOffloadConfig;
-use crate::convert::{block_id, block_ids, count, PyHashes};
+use crate::convert::{block_id, block_ids, count, ids_to_bytes, PyHashes};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
-use crate::free_queue::{self, Walk};
-use crate::running::RunningWatch;
-use crate::step::{
-    all_group_ids, lazy_candidates, req_id, same_len, scheduled_requests, step_lists, step_or_none,
-    step_to_py, StepTuple,
-};
-use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of, tier_counters};
+use crate::stats_report::{all_counters, Report, StatsReport};
+use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of};
 use crate::transfer::ids_from_bytes;
+use crate::vllm::free_queue::{self, Walk};
+use crate::vllm::running::RunningWatch;
+use crate::vllm::schedule::plan_requests;
+use crate::vllm::step::{
+    all_group_ids, lazy_candidates, step_lists, step_or_none, step_to_py, StepTuple,
+};
 
 /// `(id, req_id, keys, cpu_blocks, blocks)`: 16-byte remote keys, little-endian u32 block
 /// ids, and each block's `(group, position)` in its request.
@@ -43,23 +42,10 @@ type CompleteTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u64>);
 #[derive(Debug)]
 pub(crate) struct PyPlanner {
     inner: Planner,
-    /// The counters as of the last `take_stats_delta`.
-    reported: PlannerStats,
-    /// The remote tier's counters at the previous `take_stats_delta`, in
-    /// `remote_counters` order.
-    reported_remote: Vec<u64>,
-    /// `(cpu_blocks_used, cpu_blocks_capacity)` at the previous `take_stats_report`.
-    reported_gauges: Option<(usize, usize)>,
+    /// What `take_stats_report` last reported.
+    report: StatsReport,
     /// The previous step's running requests, which a step may leave out of the core.
     running: RunningWatch,
-}
-
-pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
-    let mut buf = Vec::with_capacity(ids.len() * 4);
-    for id in ids {
-        buf.extend_from_slice(&id.to_le_bytes());
-    }
-    PyBytes::new(py, &buf)
 }
 
 fn hash_bytes<'py>(py: Python<'py>, h: BlockHash) -> Bound<'py, PyBytes> {
@@ -107,9 +93,7 @@ impl PyPlanner {
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Self {
             inner: Planner::new(cfg, &kinds),
-            reported: PlannerStats::default(),
-            reported_remote: Vec::new(),
-            reported_gauges: None,
+            report: StatsReport::default(),
             running: RunningWatch::default(),
         })
     }
@@ -255,6 +239,8 @@ impl PyPlanner {
         let ext = count(num_external_tokens, "num_external_tokens")?;
         let window = self.inner.alloc_window(req_id, nct, ext);
         let windows = match blocks.cast::<PyTuple>() {
+            // Nothing accepted: the tables are not read.
+            _ if ext == 0 => Vec::new(),
             Ok(groups) => groups
                 .iter()
                 .map(|g| window_ids(&g, window.clone()))
@@ -296,7 +282,10 @@ impl PyPlanner {
         strip: usize,
         num_scheduled_tokens: Option<&Bound<'py, PyMapping>>,
     ) -> PyResult<StepTuple<'py>> {
-        let plan = self.plan_requests(
+        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
+        let plan = plan_requests(
+            &mut self.inner,
+            &mut self.running,
             new_req_ids,
             new_num_computed,
             new_block_ids,
@@ -305,9 +294,7 @@ impl PyPlanner {
             cached_new_block_ids,
             resumed_req_ids,
             hash_lists,
-            lazy_gpu_block_ids,
-            lazy_block_hashes,
-            strip,
+            lazy,
             num_scheduled_tokens,
         )?;
         Ok(step_to_py(py, plan))
@@ -338,7 +325,10 @@ impl PyPlanner {
             .as_ref()
             .map(|m| m.cast::<PyMapping>())
             .transpose()?;
-        let plan = self.plan_requests(
+        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
+        let plan = plan_requests(
+            &mut self.inner,
+            &mut self.running,
             &l.new_req_ids,
             &l.new_num_computed,
             &l.new_block_ids,
@@ -347,9 +337,7 @@ impl PyPlanner {
             &l.cached_new_block_ids,
             &l.resumed_req_ids,
             hash_lists,
-            lazy_gpu_block_ids,
-            lazy_block_hashes,
-            strip,
+            lazy,
             num_scheduled_tokens,
         )?;
         Ok(step_or_none(py, plan))
@@ -514,232 +502,16 @@ impl PyPlanner {
 
     /// Counters since construction, by name.
     fn stats(&self) -> Vec<(&'static str, u64)> {
-        let mut out = counters(&self.inner.stats()).to_vec();
-        out.extend(self.remote_counters());
-        out
+        all_counters(&self.inner)
     }
 
     /// What changed since the previous call, as vLLM's stats payload parts: the counters
     /// that grew (`{name: increase}`) and the gauges whose value changed
     /// (`cpu_blocks_used`: cached or being written; `cpu_blocks_capacity`); `None` when
-    /// nothing did. vLLM asks after every step: comparing here keeps that call from
-    /// building and diffing every counter in Python.
-    fn take_stats_report<'py>(
-        &mut self,
-        py: Python<'py>,
-    ) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
-        let now = self.inner.stats();
-        let cache = self.inner.cache();
-        let used = cache.capacity() as usize - cache.pool().num_free();
-        let capacity = cache.capacity() as usize;
-        let remote = self.remote_counters();
-        let unchanged = now == self.reported
-            && self.reported_gauges == Some((used, capacity))
-            && remote.len() == self.reported_remote.len()
-            && remote
-                .iter()
-                .zip(&self.reported_remote)
-                .all(|((_, v), was)| v == was);
-        if unchanged {
-            return Ok(None);
-        }
-        // Built every step: the names are made once, not per report.
-        static NAMES: PyOnceLock<Vec<Py<PyString>>> = PyOnceLock::new();
-        let names = NAMES.get_or_init(py, || {
-            counters(&PlannerStats::default())
-                .iter()
-                .map(|(name, _)| PyString::intern(py, name).unbind())
-                .collect()
-        });
-        let deltas = PyDict::new(py);
-        let pairs = counters(&now).into_iter().zip(counters(&self.reported));
-        for (name, ((_, v), (_, was))) in names.iter().zip(pairs) {
-            if v != was {
-                deltas.set_item(name.bind(py), v.saturating_sub(was))?;
-            }
-        }
-        self.reported = now;
-        if self.reported_remote.len() != remote.len() {
-            self.reported_remote = vec![0; remote.len()];
-        }
-        for ((name, v), was) in remote.into_iter().zip(&mut self.reported_remote) {
-            if v != *was {
-                deltas.set_item(name, v.saturating_sub(*was))?;
-                *was = v;
-            }
-        }
-        let gauges = PyDict::new(py);
-        let (was_used, was_capacity) = self.reported_gauges.unzip();
-        if was_used != Some(used) {
-            gauges.set_item(intern!(py, "cpu_blocks_used"), used)?;
-        }
-        if was_capacity != Some(capacity) {
-            gauges.set_item(intern!(py, "cpu_blocks_capacity"), capacity)?;
-        }
-        self.reported_gauges = Some((used, capacity));
-        Ok(Some((deltas, gauges)))
+    /// nothing did.
+    fn take_stats_report<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Report<'py>>> {
+        self.report.take(py, &self.inner)
     }
-}
-
-impl PyPlanner {
-    /// [`schedule`](Self::schedule)'s plan, before it is converted for Python.
-    #[allow(clippy::too_many_arguments)]
-    fn plan_requests<'py>(
-        &mut self,
-        new_req_ids: &Bound<'py, PyList>,
-        new_num_computed: &Bound<'py, PyList>,
-        new_block_ids: &Bound<'py, PyList>,
-        cached_req_ids: &Bound<'py, PyList>,
-        cached_num_computed: &Bound<'py, PyList>,
-        cached_new_block_ids: &Bound<'py, PyList>,
-        resumed_req_ids: &Bound<'py, PyAny>,
-        hash_lists: &Bound<'py, PyMapping>,
-        lazy_gpu_block_ids: Option<&Bound<'py, PyList>>,
-        lazy_block_hashes: Option<&Bound<'py, PyList>>,
-        strip: usize,
-        num_scheduled_tokens: Option<&Bound<'py, PyMapping>>,
-    ) -> PyResult<StepPlan> {
-        same_len(
-            "new request lists",
-            &[
-                new_req_ids.len(),
-                new_num_computed.len(),
-                new_block_ids.len(),
-            ],
-        )?;
-        same_len(
-            "cached request lists",
-            &[
-                cached_req_ids.len(),
-                cached_num_computed.len(),
-                cached_new_block_ids.len(),
-            ],
-        )?;
-        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
-        // Request ids are borrowed from the Python strings (kept alive in `names`): no
-        // allocation per request per step.
-        let n = new_req_ids.len() + cached_req_ids.len();
-        let mut names: Vec<Bound<'py, PyString>> = Vec::with_capacity(n);
-        // Every KV-cache group's table.
-        let mut rows: Vec<(ScheduleKind, usize, usize, Vec<Vec<u32>>)> = Vec::with_capacity(n);
-        let tables = |v: &Bound<'py, PyAny>| all_group_ids(v);
-        let scheduled_tokens = |name: &Bound<'py, PyString>| -> PyResult<usize> {
-            let Some(map) = num_scheduled_tokens else {
-                return Ok(0);
-            };
-            // vLLM's is a dict: its lookup skips the generic mapping protocol.
-            let n = match map.cast::<PyDict>() {
-                Ok(dict) => dict.get_item(name)?.ok_or_else(|| {
-                    INVALID_INPUT_ERROR.err(format!(
-                        "num_scheduled_tokens has no entry for request {name}"
-                    ))
-                })?,
-                Err(_) => map.get_item(name)?,
-            };
-            count(n.extract()?, "num_scheduled_tokens")
-        };
-        for i in 0..new_req_ids.len() {
-            let name = req_id(new_req_ids.get_item(i)?)?;
-            let nct = count(
-                new_num_computed.get_item(i)?.extract()?,
-                "num_computed_tokens",
-            )?;
-            let ids = tables(&new_block_ids.get_item(i)?)?;
-            rows.push((ScheduleKind::New, nct, scheduled_tokens(&name)?, ids));
-            names.push(name);
-        }
-        let any_resumed = resumed_req_ids.len().unwrap_or(0) > 0;
-        // Eager: running requests that fill no block skip the core (see `store_due`).
-        let watch = self.inner.reads_scheduled_requests();
-        if watch {
-            self.running.begin(n);
-        }
-        // (place in the watch, index in `names`) of requests passed to the core.
-        let mut passed: Vec<(usize, usize)> = Vec::new();
-        for i in 0..cached_req_ids.len() {
-            let name = req_id(cached_req_ids.get_item(i)?)?;
-            let nct = count(
-                cached_num_computed.get_item(i)?.extract()?,
-                "num_computed_tokens",
-            )?;
-            let table = cached_new_block_ids.get_item(i)?;
-            let kind = if any_resumed && resumed_req_ids.contains(&name)? {
-                ScheduleKind::Resumed
-            } else {
-                ScheduleKind::Running
-            };
-            let scheduled = scheduled_tokens(&name)?;
-            if watch {
-                if kind == ScheduleKind::Running
-                    && table.is_none()
-                    && self.running.skips(&name, nct + scheduled)
-                {
-                    continue;
-                }
-                passed.push((self.running.passed(&name), names.len()));
-            }
-            rows.push((kind, nct, scheduled, tables(&table)?));
-            names.push(name);
-        }
-        if watch {
-            // Next step, the requests admitted now run after the ones already running.
-            for (i, name) in names.iter().enumerate().take(new_req_ids.len()) {
-                passed.push((self.running.passed(name), i));
-            }
-        }
-        let mut ids: Vec<&str> = Vec::with_capacity(names.len());
-        for name in &names {
-            ids.push(name.to_str()?);
-        }
-        let scheduled = scheduled_requests(rows.into_iter(), &ids, &names, hash_lists);
-        let plan = self.inner.schedule(scheduled, lazy);
-        if watch {
-            // Recorded even when the step failed: the core kept the other requests.
-            for (place, i) in passed {
-                if let Some(due) = self.inner.store_due(ids[i]) {
-                    self.running.set_due(place, due);
-                }
-            }
-            self.running.end();
-        }
-        plan.map_err(plan_err)
-    }
-
-    /// The remote tier's counters by name (scheduler side and its probes); none without one.
-    fn remote_counters(&self) -> Vec<(&'static str, u64)> {
-        let Some((r, t)) = self.inner.remote_stats() else {
-            return Vec::new();
-        };
-        let mut out = vec![
-            ("remote_pending_lookups", r.pending_lookups),
-            ("remote_fetches", r.fetches),
-            ("remote_fetch_blocks", r.fetch_blocks),
-            ("remote_fetched_blocks", r.fetched_blocks),
-            ("remote_failed_fetch_blocks", r.failed_fetch_blocks),
-            ("remote_hit_tokens", r.remote_hit_tokens),
-            ("remote_skipped_failed", r.skipped_failed),
-        ];
-        out.extend(tier_counters(&t));
-        out
-    }
-}
-
-/// The planner's counters by name, in one place for every reader.
-fn counters(s: &PlannerStats) -> [(&'static str, u64); 12] {
-    [
-        ("lookups", s.lookups),
-        ("cached_lookups", s.cached_lookups),
-        ("hit_tokens", s.hit_tokens),
-        ("load_blocks", s.load_blocks),
-        ("store_blocks", s.store_blocks),
-        ("stored_blocks", s.stored_blocks),
-        ("dedup_skipped", s.dedup_skipped),
-        ("no_space_skipped", s.no_space_skipped),
-        ("evicted_blocks", s.evicted_blocks),
-        ("failed_loads", s.failed_loads),
-        ("failed_stores", s.failed_stores),
-        ("rewritten_hash_lists", s.rewritten_hash_lists),
-    ]
 }
 
 /// The `block_id`s of `blocks` (a sequence of vLLM's `KVCacheBlock`) at positions

@@ -16,8 +16,8 @@ GROUP_ID_BYTES = 4
 def allocated_blocks(blocks: Any) -> tuple[list[Any], ...]:
     """The ``KVCacheBlock`` lists of a ``KVCacheBlocks``, one per KV-cache group, from
     token 0 (vLLM's null block where a group holds none): the planner reads the
-    ``block_id`` of the few it loads into."""
-    return tuple(blocks.blocks)
+    ``block_id`` of the few it loads into (vLLM's own tuple, not copied)."""
+    return blocks.blocks
 
 
 class GpuBlockHolder:

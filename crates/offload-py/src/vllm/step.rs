@@ -11,9 +11,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PySet, PyString, PyTuple};
 
-use crate::convert::{block_id, block_ids, type_name, MappedHashes};
+use crate::convert::{block_id, block_ids, ids_to_bytes, type_name, MappedHashes};
 use crate::errors::INVALID_INPUT_ERROR;
-use crate::planner::ids_to_bytes;
 
 /// One step's lists, in the order of `Planner.schedule`'s request arguments.
 pub(crate) struct StepLists<'py> {
