@@ -9,6 +9,42 @@ use crate::error::HashError;
 
 use super::types::HashSource;
 
+/// One value per KV-cache group, the first one inline: most models have one group, and
+/// a request's entry then reaches its blocks without another pointer to follow.
+#[derive(Debug, Default, Clone)]
+pub(super) struct PerGroup<T> {
+    first: T,
+    rest: Vec<T>,
+}
+
+impl<T: Default> PerGroup<T> {
+    /// Number of groups (at least one).
+    pub(super) fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+
+    /// Makes room for `n` groups (at least one), new ones default.
+    pub(super) fn resize(&mut self, n: usize) {
+        self.rest.resize_with(n.saturating_sub(1), T::default);
+    }
+
+    /// Group `g`'s value.
+    pub(super) fn get_mut(&mut self, g: usize) -> Option<&mut T> {
+        match g.checked_sub(1) {
+            None => Some(&mut self.first),
+            Some(i) => self.rest.get_mut(i),
+        }
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &T> {
+        std::iter::once(&self.first).chain(&self.rest)
+    }
+
+    pub(super) fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        std::iter::once(&mut self.first).chain(&mut self.rest)
+    }
+}
+
 /// A request's blocks in one KV-cache group.
 #[derive(Debug, Default, Clone)]
 pub(super) struct GroupBlocks {
@@ -74,7 +110,7 @@ pub(super) struct Request {
     /// A prefix of the server's hash list, as of the last check (see [`Self::sync`]).
     pub(super) hashes: Vec<BlockHash>,
     /// The request's blocks in each KV-cache group.
-    pub(super) groups: Vec<GroupBlocks>,
+    pub(super) groups: PerGroup<GroupBlocks>,
     pub(super) hit: Option<Hit>,
     pub(super) stores_in_flight: u32,
     pub(super) load_in_flight: bool,
@@ -211,7 +247,7 @@ impl Request {
             self.hashes.len() - from
         );
         self.hashes.truncate(from);
-        for g in &mut self.groups {
+        for g in self.groups.iter_mut() {
             g.stored_upto = g.stored_upto.min(from);
         }
         if self.hit.as_ref().is_some_and(|h| h.end > from) {

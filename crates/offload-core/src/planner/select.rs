@@ -6,7 +6,7 @@ use crate::events::PlannerStats;
 use crate::key::{BlockHash, BlockId, BlockKey};
 
 use super::kinds::{group_id, GroupKind};
-use super::request::{GroupBlocks, Request};
+use super::request::Request;
 use super::types::LazyCandidate;
 
 /// One block of the store job being assembled.
@@ -90,7 +90,7 @@ pub(super) fn select_eager(
 ) -> bool {
     let confirmed = confirmed.min(r.hashes.len());
     if r.groups.len() != kinds.len() {
-        r.groups.resize_with(kinds.len(), GroupBlocks::default);
+        r.groups.resize(kinds.len());
     }
     let mut selected = false;
     // The request's index in the job's `req_ids`, found once it has a block to store.

@@ -4,7 +4,7 @@
 use crate::error::PlanError;
 
 use super::kinds::GroupKind;
-use super::request::{GroupBlocks, Request};
+use super::request::Request;
 use super::select::{select_eager, select_lazy};
 use super::types::{HashSource, LazyCandidate, ScheduleKind, ScheduledRequest, StepPlan};
 use super::{live_entry, Planner};
@@ -51,7 +51,7 @@ fn record<B: GroupTables>(
     kinds: &[GroupKind],
 ) {
     if r.groups.len() != kinds.len() {
-        r.groups.resize_with(kinds.len(), GroupBlocks::default);
+        r.groups.resize(kinds.len());
     }
     r.alloc_tokens = computed;
     let groups = &mut r.groups;
