@@ -71,6 +71,7 @@
 
 pub mod cache;
 pub mod config;
+mod config_value;
 pub mod error;
 pub mod events;
 pub mod evict;

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use crate::config::{parse_bool, parse_bytes, ConfigValue};
+use crate::config_value::{parse_bool, parse_bytes, ConfigValue};
 use crate::error::ConfigError;
 
 use super::key::validate_namespace;
