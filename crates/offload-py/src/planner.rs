@@ -4,19 +4,17 @@
 use std::sync::Arc;
 
 use offload_core::tier::{ProbeQueue, TierStats};
-use offload_core::{
-    BlockHash, GroupKind, KvEvent, LookupOutcome, Planner, PlannerConfig, ScheduledRequest,
-};
-use pyo3::intern;
+use offload_core::{BlockHash, LookupOutcome, Planner, PlannerConfig, ScheduledRequest};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PyTuple};
 
 use crate::config::PyOffloadConfig;
-use crate::convert::{block_id, block_ids, count, ids_to_bytes, PyHashes};
+use crate::convert::{block_ids, count, event_tuple, group_kind, ids_to_bytes, PyHashes};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
 use crate::stats_report::{all_counters, Report, StatsReport};
 use crate::tier::{connect, hashes_to_bytes, kv_layout, remote_of};
 use crate::transfer::ids_from_bytes;
+use crate::vllm::blocks::allocated_windows;
 use crate::vllm::free_queue::{self, Walk};
 use crate::vllm::running::RunningWatch;
 use crate::vllm::schedule::plan_requests;
@@ -46,10 +44,6 @@ pub(crate) struct PyPlanner {
     report: StatsReport,
     /// The previous step's running requests, which a step may leave out of the core.
     running: RunningWatch,
-}
-
-fn hash_bytes<'py>(py: Python<'py>, h: BlockHash) -> Bound<'py, PyBytes> {
-    PyBytes::new(py, &h.0.to_le_bytes())
 }
 
 #[pymethods]
@@ -238,14 +232,11 @@ impl PyPlanner {
         let nct = count(num_computed_tokens, "num_computed_tokens")?;
         let ext = count(num_external_tokens, "num_external_tokens")?;
         let window = self.inner.alloc_window(req_id, nct, ext);
-        let windows = match blocks.cast::<PyTuple>() {
-            // Nothing accepted: the tables are not read.
-            _ if ext == 0 => Vec::new(),
-            Ok(groups) => groups
-                .iter()
-                .map(|g| window_ids(&g, window.clone()))
-                .collect::<PyResult<Vec<_>>>()?,
-            Err(_) => vec![window_ids(blocks, window.clone())?],
+        // Nothing accepted: the tables are not read.
+        let windows = if ext == 0 {
+            Vec::new()
+        } else {
+            allocated_windows(blocks, window.clone())?
         };
         self.inner
             .on_alloc_window(req_id, window.start, &windows, ext)
@@ -412,23 +403,7 @@ impl PyPlanner {
         self.inner
             .take_events()
             .into_iter()
-            .map(|e| match e {
-                KvEvent::Stored {
-                    group,
-                    hashes,
-                    parent,
-                    block_size,
-                } => {
-                    let hs: Vec<_> = hashes.into_iter().map(|h| hash_bytes(py, h)).collect();
-                    let parent = parent.map(|h| hash_bytes(py, h));
-                    ("stored", group, hs, parent, block_size).into_pyobject(py)
-                }
-                KvEvent::Removed { group, hashes } => {
-                    let hs: Vec<_> = hashes.into_iter().map(|h| hash_bytes(py, h)).collect();
-                    ("removed", group, hs).into_pyobject(py)
-                }
-                KvEvent::AllCleared => ("cleared",).into_pyobject(py),
-            })
+            .map(|e| event_tuple(py, e))
             .collect()
     }
 
@@ -511,47 +486,5 @@ impl PyPlanner {
     /// nothing did.
     fn take_stats_report<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Report<'py>>> {
         self.report.take(py, &self.inner)
-    }
-}
-
-/// The `block_id`s of `blocks` (a sequence of vLLM's `KVCacheBlock`) at positions
-/// `window`, cut short where the sequence ends.
-fn window_ids(blocks: &Bound<'_, PyAny>, window: std::ops::Range<usize>) -> PyResult<Vec<u32>> {
-    let end = window.end.min(blocks.len()?);
-    let name = intern!(blocks.py(), "block_id");
-    // A long prompt's hit is a hundred blocks or more: one allocation, and vLLM's
-    // list indexed directly.
-    let mut ids = Vec::with_capacity(end.saturating_sub(window.start));
-    let list = blocks.cast::<PyList>().ok();
-    for i in window.start..end {
-        let block = match list {
-            Some(list) => list.get_item(i)?,
-            None => blocks.get_item(i)?,
-        };
-        ids.push(block_id(&block.getattr(name)?, "blocks")?);
-    }
-    Ok(ids)
-}
-
-/// KV-cache group `index`'s kind from vLLM's spec kind name and its sliding window (its
-/// `sliding_window` plus `extra_retained_tokens`).
-fn group_kind(index: usize, kind: &str, window: Option<i64>) -> PyResult<GroupKind> {
-    match (kind, window) {
-        ("full_attention" | "mla_attention", _) => Ok(GroupKind::FullAttention),
-        ("mamba", _) => Ok(GroupKind::Mamba),
-        ("sliding_window", Some(w)) => u32::try_from(w)
-            .ok()
-            .filter(|w| *w > 0)
-            .map(|window| GroupKind::SlidingWindow { window })
-            .ok_or_else(|| {
-                INVALID_INPUT_ERROR.err(format!(
-                    "Planner: group {index}: invalid sliding window {w}"
-                ))
-            }),
-        _ => Err(INVALID_INPUT_ERROR.err(format!(
-            "Planner: group {index}: KV-cache group kind {kind:?} (window {window:?}) cannot \
-             be planned; kinds: full_attention, mla_attention, sliding_window with a window, \
-             mamba"
-        ))),
     }
 }
