@@ -50,7 +50,6 @@ mod backend;
 mod config;
 mod copy_thread;
 pub mod cuda;
-mod cuda_sys;
 mod engine;
 mod error;
 pub mod fault;
