@@ -66,12 +66,12 @@ pub use config::{BackendKind, TransferConfig};
 pub use cuda::{BatchApi, CudaCopyBackend, CudaDriver, CudaError, CudaOptions, MAX_BATCH_COPIES};
 pub use engine::TransferEngine;
 pub use error::{
-    BlockAccessError, BuildError, JobError, ReadyError, RegionError, ShutdownError, SubmitError,
-    WaitError,
+    BlockAccessError, BlockSide, BuildError, JobError, ReadyError, RegionError, ShutdownError,
+    SubmitError, WaitError,
 };
 pub use fault::{FaultInjector, FaultPlan, FaultSpecError};
 pub use host::HostCopyBackend;
 pub use host_blocks::HostBlocks;
 pub use region::{coalesce, CopyRun, RegionSpec};
 pub use stats::TransferStats;
-pub use types::{BlockSide, Completion, Direction, TransferJob};
+pub use types::{Completion, Direction, TransferJob};
