@@ -6,7 +6,8 @@ on ``B`` when ``A``'s code names a path under ``B`` (``use crate::b::X``, ``supe
 ``crate::b::Z`` inline, brace lists expanded). A module's use of its ancestors and of its
 descendants is how Rust nests modules and is not an edge; every other edge is, and a
 cycle among them (two siblings, or modules of different subtrees, that need each other)
-is reported. Exit status 1 when a cycle is found: usable in CI.
+is reported. Unit tests (a file's ``#[cfg(test)]`` tail) are left out. Exit status 1
+when a cycle is found: usable in CI.
 
     python3 scripts/module_cycles.py [crates/offload-core/src ...]
 """
@@ -104,7 +105,11 @@ def edges(src: Path) -> dict[tuple[str, ...], set[tuple[str, ...]]]:
     files = {module_of(src, f): f for f in src.rglob("*.rs")}
     modules = set(files)
     graph: dict[tuple[str, ...], set[tuple[str, ...]]] = {m: set() for m in modules}
-    texts = {m: STRING.sub('""', COMMENT.sub("", f.read_text())) for m, f in files.items()}
+    # Unit tests (a file's `#[cfg(test)]` tail) are not part of the module graph.
+    texts = {
+        m: STRING.sub('""', COMMENT.sub("", f.read_text())).split("#[cfg(test)]")[0]
+        for m, f in files.items()
+    }
     reexports = {m: reexports_of(t) for m, t in texts.items()}
     for here, text in texts.items():
         paths = [p for u in USE.findall(text) for p in expand(u)]

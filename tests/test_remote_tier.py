@@ -155,6 +155,24 @@ def _read(
     return run_script(script, {})
 
 
+def _check_served_from_cluster(
+    r: dict[str, Any], reference: list[list[int]], *, groups: int
+) -> None:
+    """The "sync" and "async" phases of ``r`` (a planner of ``groups`` KV-cache groups)
+    were served from the cluster, token-identical to ``reference``, and every fetched
+    block is on the CPU tier like the ones the engine stored itself, announced with them
+    (vLLM's hashes, for a KV-aware router)."""
+    for name in ("sync", "async"):
+        assert r[name]["groups"] == groups, name
+        assert r[name]["outputs"] == reference, name
+        planner = r[name]["planner"]
+        assert planner["remote_hit_tokens"] > 0, (name, planner)
+        assert planner["remote_failed_fetch_blocks"] == 0, (name, planner)
+        assert r[name]["worker"]["remote_bytes_read"] > 0, (name, r[name]["worker"])
+    sync = r["sync"]["planner"]
+    assert r["sync"]["announced"] == sync["stored_blocks"] + sync["remote_fetched_blocks"]
+
+
 def test_engines_share_prefixes_through_the_cluster(
     cluster: tuple[str, str], tiny_model: Path, written: dict[str, Any]
 ) -> None:
@@ -168,16 +186,7 @@ def test_engines_share_prefixes_through_the_cluster(
     ]
     r = _read(cluster, tiny_model, phases)
     reference = written["reference"]
-    for name in ("sync", "async"):
-        assert r[name]["outputs"] == reference, name
-        planner = r[name]["planner"]
-        assert planner["remote_hit_tokens"] > 0, (name, planner)
-        assert planner["remote_failed_fetch_blocks"] == 0, (name, planner)
-        assert r[name]["worker"]["remote_bytes_read"] > 0, (name, r[name]["worker"])
-    # Blocks fetched from the cluster are on this engine's CPU tier like the ones it
-    # stored itself, and announced with them (vLLM's hashes, for a KV-aware router).
-    sync = r["sync"]["planner"]
-    assert r["sync"]["announced"] == sync["stored_blocks"] + sync["remote_fetched_blocks"]
+    _check_served_from_cluster(r, reference, groups=1)
     other = r["other"]
     assert other["outputs"] == reference
     assert other["planner"]["remote_probe_round_trips"] > 0
@@ -207,15 +216,7 @@ def test_a_sliding_window_model_shares_prefixes_through_the_cluster(
         {"name": "async", "ns": ns, "extra": {"load_mode": "async"}},
     ]
     r = _read(cluster, model, phases, HYBRID_ENGINE_ARGS)
-    for name in ("sync", "async"):
-        assert r[name]["groups"] == 2, name
-        assert r[name]["outputs"] == written["reference"], name
-        planner = r[name]["planner"]
-        assert planner["remote_hit_tokens"] > 0, (name, planner)
-        assert planner["remote_failed_fetch_blocks"] == 0, (name, planner)
-        assert r[name]["worker"]["remote_bytes_read"] > 0, (name, r[name]["worker"])
-    sync = r["sync"]["planner"]
-    assert r["sync"]["announced"] == sync["stored_blocks"] + sync["remote_fetched_blocks"]
+    _check_served_from_cluster(r, written["reference"], groups=2)
 
 
 def _corrupt_all(directory: str) -> int:

@@ -19,7 +19,7 @@ use crate::vllm::free_queue::{self, Walk};
 use crate::vllm::running::RunningWatch;
 use crate::vllm::schedule::plan_requests;
 use crate::vllm::step::{
-    all_group_ids, lazy_candidates, step_lists, step_or_none, step_to_py, StepTuple,
+    all_group_ids, lazy_candidates, step_lists, step_or_none, step_to_py, StepLists, StepTuple,
 };
 
 /// `(id, req_id, keys, cpu_blocks, blocks)`: 16-byte remote keys, little-endian u32 block
@@ -273,21 +273,18 @@ impl PyPlanner {
         strip: usize,
         num_scheduled_tokens: Option<&Bound<'py, PyMapping>>,
     ) -> PyResult<StepTuple<'py>> {
+        let lists = StepLists {
+            new_req_ids: new_req_ids.clone(),
+            new_num_computed: new_num_computed.clone(),
+            new_block_ids: new_block_ids.clone(),
+            cached_req_ids: cached_req_ids.clone(),
+            cached_num_computed: cached_num_computed.clone(),
+            cached_new_block_ids: cached_new_block_ids.clone(),
+            resumed_req_ids: resumed_req_ids.clone(),
+            num_scheduled_tokens: num_scheduled_tokens.map(|m| m.clone().into_any()),
+        };
         let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
-        let plan = plan_requests(
-            &mut self.inner,
-            &mut self.running,
-            new_req_ids,
-            new_num_computed,
-            new_block_ids,
-            cached_req_ids,
-            cached_num_computed,
-            cached_new_block_ids,
-            resumed_req_ids,
-            hash_lists,
-            lazy,
-            num_scheduled_tokens,
-        )?;
+        let plan = plan_requests(&mut self.inner, &mut self.running, &lists, hash_lists, lazy)?;
         Ok(step_to_py(py, plan))
     }
 
@@ -310,27 +307,9 @@ impl PyPlanner {
         strip: usize,
         after_forward: bool,
     ) -> PyResult<Option<StepTuple<'py>>> {
-        let l = step_lists(scheduler_output, after_forward)?;
-        let num_scheduled_tokens = l
-            .num_scheduled_tokens
-            .as_ref()
-            .map(|m| m.cast::<PyMapping>())
-            .transpose()?;
+        let lists = step_lists(scheduler_output, after_forward)?;
         let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
-        let plan = plan_requests(
-            &mut self.inner,
-            &mut self.running,
-            &l.new_req_ids,
-            &l.new_num_computed,
-            &l.new_block_ids,
-            &l.cached_req_ids,
-            &l.cached_num_computed,
-            &l.cached_new_block_ids,
-            &l.resumed_req_ids,
-            hash_lists,
-            lazy,
-            num_scheduled_tokens,
-        )?;
+        let plan = plan_requests(&mut self.inner, &mut self.running, &lists, hash_lists, lazy)?;
         Ok(step_or_none(py, plan))
     }
 

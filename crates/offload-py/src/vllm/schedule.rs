@@ -5,32 +5,38 @@
 
 use offload_core::{LazyCandidate, Planner, ScheduleKind, StepPlan};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyMapping, PyString};
+use pyo3::types::{PyDict, PyMapping, PyString};
 
 use super::running::RunningWatch;
-use super::step::{all_group_ids, req_id, same_len, scheduled_requests};
+use super::step::{all_group_ids, req_id, same_len, scheduled_requests, StepLists};
 use crate::convert::count;
 use crate::errors::{plan_err, INVALID_INPUT_ERROR};
 
-/// The step's plan for the scheduled requests in vLLM's lists (`NewRequestData` fields
-/// and `CachedRequestData` lists; `hash_lists` maps request ids to their `block_hashes`;
-/// `num_scheduled_tokens`, vLLM's own dict, read for planners whose stores run after the
-/// forward pass) and the lazy candidates `lazy`.
-#[allow(clippy::too_many_arguments)]
+/// The step's plan for the scheduled requests in vLLM's lists (`hash_lists` maps request
+/// ids to their `block_hashes`; the lists' `num_scheduled_tokens`, vLLM's own dict, is
+/// read for planners whose stores run after the forward pass) and the lazy candidates
+/// `lazy`.
 pub(crate) fn plan_requests<'py>(
     planner: &mut Planner,
     running: &mut RunningWatch,
-    new_req_ids: &Bound<'py, PyList>,
-    new_num_computed: &Bound<'py, PyList>,
-    new_block_ids: &Bound<'py, PyList>,
-    cached_req_ids: &Bound<'py, PyList>,
-    cached_num_computed: &Bound<'py, PyList>,
-    cached_new_block_ids: &Bound<'py, PyList>,
-    resumed_req_ids: &Bound<'py, PyAny>,
+    lists: &StepLists<'py>,
     hash_lists: &Bound<'py, PyMapping>,
     lazy: Vec<LazyCandidate>,
-    num_scheduled_tokens: Option<&Bound<'py, PyMapping>>,
 ) -> PyResult<StepPlan> {
+    let StepLists {
+        new_req_ids,
+        new_num_computed,
+        new_block_ids,
+        cached_req_ids,
+        cached_num_computed,
+        cached_new_block_ids,
+        resumed_req_ids,
+        num_scheduled_tokens,
+    } = lists;
+    let num_scheduled_tokens = num_scheduled_tokens
+        .as_ref()
+        .map(|m| m.cast::<PyMapping>())
+        .transpose()?;
     same_len(
         "new request lists",
         &[
