@@ -15,8 +15,9 @@ use offload_core::tier::{
     WorkerTier,
 };
 use offload_core::transfer::{Direction, RegionSpec, TransferConfig, TransferEngine, TransferJob};
-use offload_core::GroupKind;
-use offload_core::{BlockHash, KvEvent, LookupOutcome, Planner, PlannerConfig};
+use offload_core::{
+    BlockHash, BlockKey, GroupKind, KvEvent, LookupOutcome, Planner, PlannerConfig,
+};
 
 const BS: u32 = 16;
 const FP: LayoutFingerprint = LayoutFingerprint(0x5eed);
@@ -362,4 +363,78 @@ fn a_failed_load_of_fetched_blocks_is_recomputed_not_fetched_again() {
     assert_eq!(p.remote_stats().unwrap().1.probe_round_trips, probes);
     assert_eq!(p.remote_stats().unwrap().0.fetches, 1);
     assert!(p.take_fetches().is_empty());
+}
+
+/// A planner of a full-attention group and a 2-block sliding window, with a remote tier.
+fn hybrid_planner(store: &MemoryStore) -> Planner {
+    let kinds = [
+        GroupKind::FullAttention,
+        GroupKind::SlidingWindow { window: 2 * BS },
+    ];
+    let mut p = Planner::new(PlannerConfig::new(BS, 16).with_events(true), &kinds);
+    let stats = Arc::new(TierStats::default());
+    p.attach_remote(ProbeQueue::spawn(tier(store, &stats)).unwrap(), stats);
+    p
+}
+
+#[test]
+fn a_hybrid_models_remote_hit_is_what_every_group_can_serve() {
+    let store = MemoryStore::default();
+    let h = chain(5);
+    // Another engine stored every full-attention block and the sliding blocks of the
+    // prompt's last window (blocks 3 and 4 for a hit ending at block 5).
+    write_remote(&store, &h, 8);
+    let window: Vec<BlockHash> = h[3..]
+        .iter()
+        .map(|x| BlockKey::new(1, *x).remote_hash())
+        .collect();
+    write_remote(&store, &window, 8);
+    let mut p = hybrid_planner(&store);
+    assert_eq!(settle(&mut p, "a", &h, 81), LookupOutcome::Pending);
+    let job = p.take_fetches().remove(0);
+    let wanted = vec![(0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (0, 4), (1, 4)];
+    assert_eq!(
+        job.blocks, wanted,
+        "each group's blocks, position by position"
+    );
+    assert!(p.complete_fetch(job.id, job.cpu_blocks.len()).unwrap());
+    let hit = LookupOutcome::Hit {
+        tokens: 80,
+        remote_tokens: 80,
+    };
+    assert_eq!(p.lookup_tiered("a", &h, 81, 0).unwrap(), hit);
+    // Fetched chains are announced per group.
+    let stored: Vec<(u32, usize)> = p
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::Stored { group, hashes, .. } => Some((group, hashes.len())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored.iter().map(|(_, n)| n).sum::<usize>(), 7);
+    // The load fills every full-attention block and the window's sliding blocks.
+    let tables = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]];
+    p.on_alloc("a", &tables, 0, 80).unwrap();
+    let plan = p.schedule::<Vec<BlockHash>, Vec<u32>>([], []).unwrap();
+    assert_eq!(plan.loads[0].gpu_blocks, vec![10, 11, 12, 13, 14, 23, 24]);
+}
+
+#[test]
+fn a_hybrid_remote_prefix_without_its_window_is_no_hit() {
+    let store = MemoryStore::default();
+    let h = chain(5);
+    // Only the full-attention blocks: no hit ending anywhere has its sliding window.
+    write_remote(&store, &h, 8);
+    let mut p = hybrid_planner(&store);
+    assert_eq!(settle(&mut p, "a", &h, 81), LookupOutcome::Pending);
+    let job = p.take_fetches().remove(0);
+    assert!(p.complete_fetch(job.id, job.cpu_blocks.len()).unwrap());
+    assert_eq!(
+        p.lookup_tiered("a", &h, 81, 0).unwrap(),
+        LookupOutcome::Hit {
+            tokens: 0,
+            remote_tokens: 0
+        }
+    );
 }

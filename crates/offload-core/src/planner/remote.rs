@@ -24,16 +24,6 @@ use super::kinds::group_id;
 use super::types::{HashSource, TransferId};
 use super::Planner;
 
-/// Tells groups apart in remote keys: group `g`'s key is its block hash XOR `g` times
-/// this odd constant (a bijection of `g`), so group 0's key is the hash itself and a
-/// model of one group keys its blocks by their hashes.
-const GROUP_MIX: u128 = 0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835;
-
-/// The remote tier's key of a CPU tier key.
-pub(super) fn remote_hash(key: &BlockKey) -> BlockHash {
-    BlockHash(key.hash.0 ^ GROUP_MIX.wrapping_mul(u128::from(key.group)))
-}
-
 /// Block hashes whose fetch failed that are remembered, so a chain is cut before them:
 /// enough for every prefix in flight, small enough to never matter in memory.
 const FAILED_MEMORY: usize = 1 << 16;
@@ -273,7 +263,7 @@ impl Planner {
                 if self.cache.contains(&key) {
                     break 'blocks;
                 }
-                if remote.failed.set.contains(&remote_hash(&key)) {
+                if remote.failed.set.contains(&key.remote_hash()) {
                     remote.stats.skipped_failed += 1;
                     break 'blocks;
                 }
@@ -283,7 +273,7 @@ impl Planner {
         }
         let keys: Vec<[u8; 16]> = wanted
             .iter()
-            .map(|w| remote_hash(&w.key).0.to_le_bytes())
+            .map(|w| w.key.remote_hash().0.to_le_bytes())
             .collect();
         let Some(found) = remote.probes.poll(req, &keys) else {
             remote.stats.pending_lookups += 1;
@@ -318,7 +308,7 @@ impl Planner {
         remote.pending.push(FetchJob {
             id,
             req_id: req.to_string(),
-            hashes: wanted.iter().map(|w| remote_hash(&w.key)).collect(),
+            hashes: wanted.iter().map(|w| w.key.remote_hash()).collect(),
             cpu_blocks: blocks.clone(),
             first_block: end,
             blocks: wanted.iter().map(|w| (w.key.group, w.pos)).collect(),
@@ -397,7 +387,7 @@ impl Planner {
             let _ = self.cache.abort(b);
         }
         if let Some(w) = f.wanted.get(n) {
-            remote.failed.insert(remote_hash(&w.key));
+            remote.failed.insert(w.key.remote_hash());
         }
         // The request's blocks the fetch brought, counted by position (every group's
         // blocks at one position are one block of the prompt).
@@ -458,7 +448,7 @@ impl Planner {
         let pool = self.cache.pool();
         blocks
             .iter()
-            .map(|&b| pool.key(b).map(|k| remote_hash(&k)))
+            .map(|&b| pool.key(b).map(|k| k.remote_hash()))
             .collect()
     }
 
