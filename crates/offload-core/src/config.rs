@@ -105,6 +105,7 @@ pub struct OffloadConfig {
 
 /// The result of parsing: the config plus warnings the caller should log.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ParsedConfig {
     /// The validated config.
     pub config: OffloadConfig,

@@ -1,6 +1,6 @@
 //! The vocabulary every module shares: block hashes, index keys and CPU block ids.
 //!
-//! It sits below [`crate::index`] and [`crate::pool`] so that neither imports the other.
+//! It sits below the prefix index and the block pool so that neither imports the other.
 
 use std::hash::{BuildHasher, Hash, Hasher};
 

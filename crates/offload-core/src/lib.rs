@@ -17,6 +17,10 @@
 //!   plan's [`LoadJob`]s and [`StoreJob`]s on its own copy thread;
 //! - [`OffloadConfig`] parses and validates the settings.
 //!
+//! The CPU tier's building blocks ([`BlockCache`], [`PrefixIndex`], [`BlockPool`], the
+//! eviction policies, [`HostMemory`]) are public from the crate root for benches and for
+//! servers that assemble their own scheduler side; the modules that hold them are not.
+//!
 //! Hashes are the server's own chained block hashes (block `k`'s hash covers blocks
 //! `0..=k`), read through [`HashSource`] when the planner needs them and checked against
 //! what it read before, so a request whose list is rewritten under the same id is never
@@ -69,17 +73,17 @@
 //! # Ok::<(), offload_core::PlanError>(())
 //! ```
 
-pub mod cache;
+mod cache;
 pub mod config;
 mod config_value;
 pub mod error;
 pub mod events;
-pub mod evict;
-pub mod index;
+mod evict;
+mod index;
 pub mod key;
-pub mod memory;
+mod memory;
 pub mod planner;
-pub mod pool;
+mod pool;
 mod prefetch;
 pub mod tier;
 pub mod transfer;
@@ -91,6 +95,7 @@ pub use events::{EventBuffer, KvEvent, PlannerStats};
 pub use evict::{Clock, EvictionPolicy, Lru, Slru};
 pub use index::{PrefixIndex, Vacancy};
 pub use key::{BlockHash, BlockId, BlockKey};
+pub use memory::{HostMemory, HostMemoryOptions, MemoryError};
 pub use planner::{
     Completions, FetchJob, GroupKind, GroupTables, HashSource, LazyCandidate, LoadJob,
     LookupOutcome, Planner, PlannerConfig, RemoteStats, ScheduleKind, ScheduledGroups,

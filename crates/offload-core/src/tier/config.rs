@@ -42,6 +42,7 @@ const MAX_TIMEOUT_MS: u64 = 60_000;
 ///
 /// `Debug` masks passwords; use [`Self::seeds`] to connect.
 #[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RemoteConfig {
     /// Seed URLs, passwords included.
     pub seeds: Vec<String>,
