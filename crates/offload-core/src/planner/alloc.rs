@@ -3,7 +3,9 @@
 use crate::error::PlanError;
 use crate::key::BlockId;
 
+use super::kinds::GroupKind;
 use super::ledger::{Job, JobKind};
+use super::request::GroupHit;
 use super::types::LoadJob;
 use super::Planner;
 
@@ -91,44 +93,52 @@ impl Planner {
             .requests
             .get_mut(req)
             .ok_or_else(|| PlanError::UnknownRequest(req.to_string()))?;
-        let hit = r.hit.take().unwrap_or_default();
+        let mut hit = r.hit.take().unwrap_or_default();
         let start = window_start;
         let end = start + num_external_tokens.div_ceil(bs);
-        let mut gpu = Vec::new();
-        let mut cpu: Vec<BlockId> = Vec::new();
-        let mut valid = num_external_tokens % bs == 0
+        // Each group's accepted part: where it lies in the group's pinned blocks and in
+        // its window of the table. The lookup of this scheduling pass vouched that the
+        // pinned blocks are ready (pins keep them so).
+        let parts = |kind: &GroupKind, ghit: &GroupHit, window: &[u32]| {
+            let first = kind.first_needed(start, end, bs);
+            let pinned = first.checked_sub(ghit.from)?..end.checked_sub(ghit.from)?;
+            let allocated = first - start..end - start;
+            (pinned.end <= ghit.blocks.len() && allocated.end <= window.len())
+                .then_some((pinned, allocated))
+        };
+        let valid = num_external_tokens % bs == 0
             && hit.groups.len() == self.kinds.len()
             && hit.start == start
-            && end <= hit.end;
+            && end <= hit.end
+            && self
+                .kinds
+                .iter()
+                .zip(&hit.groups)
+                .zip(windows)
+                .all(|((kind, ghit), window)| parts(kind, ghit, window.as_ref()).is_some());
+        let mut gpu = Vec::new();
+        let mut cpu: Vec<BlockId> = Vec::new();
         if valid {
-            for ((kind, ghit), window) in self.kinds.iter().zip(&hit.groups).zip(windows) {
-                // The group's blocks of the accepted part, pinned and allocated.
-                let first = kind.first_needed(start, end, bs);
-                let pinned = first
-                    .checked_sub(ghit.from)
-                    .and_then(|lo| ghit.blocks.get(lo..end - ghit.from));
-                let allocated = window.as_ref().get(first - start..end - start);
-                let (Some(pinned), Some(allocated)) = (pinned, allocated) else {
-                    valid = false;
-                    break;
+            for ((kind, ghit), window) in self.kinds.iter().zip(&mut hit.groups).zip(windows) {
+                let window = window.as_ref();
+                let Some((pinned, allocated)) = parts(kind, ghit, window) else {
+                    continue;
                 };
-                if !pinned.iter().all(|&c| self.cache.is_ready(c)) {
-                    valid = false;
-                    break;
+                // Pins outside the accepted part are released; the part itself is moved.
+                for &b in ghit.blocks[pinned.end..]
+                    .iter()
+                    .chain(&ghit.blocks[..pinned.start])
+                {
+                    let _ = self.cache.unpin(b);
                 }
-                cpu.extend_from_slice(pinned);
-                gpu.extend_from_slice(allocated);
-            }
-        }
-        if valid {
-            // Pins on blocks outside the accepted part of every group's hit are released.
-            for (kind, ghit) in self.kinds.iter().zip(&hit.groups) {
-                let used = kind.first_needed(start, end, bs)..end;
-                for (pos, &b) in (ghit.from..).zip(&ghit.blocks) {
-                    if !used.contains(&pos) {
-                        let _ = self.cache.unpin(b);
-                    }
+                ghit.blocks.truncate(pinned.end);
+                ghit.blocks.drain(..pinned.start);
+                if cpu.is_empty() {
+                    cpu = std::mem::take(&mut ghit.blocks);
+                } else {
+                    cpu.extend_from_slice(&ghit.blocks);
                 }
+                gpu.extend_from_slice(&window[allocated]);
             }
         } else {
             log::warn!(
@@ -136,18 +146,12 @@ impl Planner {
                  matching CPU hit in every KV-cache group; reporting it failed so it is \
                  recomputed"
             );
-            gpu.clear();
-            cpu.clear();
             // Every group's blocks of the accepted range, so the server recomputes them all.
             for (kind, window) in self.kinds.iter().zip(windows) {
                 let from = kind.first_needed(start, end, bs) - start;
                 gpu.extend(window.as_ref().get(from..).unwrap_or_default());
             }
-            for ghit in &hit.groups {
-                for &b in &ghit.blocks {
-                    let _ = self.cache.unpin(b);
-                }
-            }
+            hit.unpin_all(&mut self.cache);
         }
         self.push_load(req, gpu, cpu, valid, num_external_tokens);
         Ok(())

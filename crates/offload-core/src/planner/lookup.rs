@@ -202,6 +202,7 @@ fn fresh_hit<H: HashSource + ?Sized>(
         }
         None => Vec::new(),
     };
+    // Empty when the first full-attention group has no run (nothing was pinned then).
     let mut groups: Vec<GroupHit> = Vec::new();
     if end > start {
         groups.resize_with(kinds.len(), || GroupHit {
@@ -256,13 +257,23 @@ fn fresh_hit<H: HashSource + ?Sized>(
         .rev()
         .find(|&n| window_ok(n))
         .unwrap_or(start);
+    // The first full-attention group's run was pinned as it was probed; the rest of its
+    // blocks past the hit go back.
+    if let Some(probed) = first_full.and_then(|g| groups.get(g)) {
+        for &b in probed.blocks.get(n - start..).unwrap_or_default() {
+            let _ = cache.unpin(b);
+        }
+    }
     if n == start {
         groups.clear();
     }
-    for (kind, g) in kinds.iter().zip(&mut groups) {
+    for (i, (kind, g)) in kinds.iter().zip(&mut groups).enumerate() {
         g.from = kind.first_needed(start, n, bs);
         g.blocks.truncate(n - start);
         g.blocks.drain(..g.from - start);
+        if Some(i) == first_full {
+            continue;
+        }
         for &b in &g.blocks {
             // The block is ready, hence in range and pinnable.
             let _ = cache.pin(b);
@@ -285,7 +296,8 @@ fn fresh_hit<H: HashSource + ?Sized>(
 }
 
 /// The longest run of ready blocks of `group` at positions `start..limit`, read a chunk
-/// at a time; their hashes are appended to `hs` if given, and the last one is `last`.
+/// at a time and pinned as found; their hashes are appended to `hs` if given, and the
+/// last one is `last`.
 #[allow(clippy::too_many_arguments)]
 fn probe_run<H: HashSource + ?Sized>(
     r: &mut Request,
@@ -293,7 +305,7 @@ fn probe_run<H: HashSource + ?Sized>(
     group: u32,
     start: usize,
     limit: usize,
-    cache: &BlockCache,
+    cache: &mut BlockCache,
     mut hs: Option<&mut Vec<BlockHash>>,
     last: &mut Option<BlockHash>,
 ) -> Result<Vec<BlockId>, HashError> {
@@ -323,6 +335,8 @@ fn probe_run<H: HashSource + ?Sized>(
                 Some(&prev) if prev == b.wrapping_add(1) => b.wrapping_sub(1),
                 _ => b.wrapping_add(1),
             };
+            // The block is ready, hence in range and pinnable.
+            let _ = cache.pin(b);
             blocks.push(b);
             if let Some(hs) = hs.as_deref_mut() {
                 hs.push(*h);
