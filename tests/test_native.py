@@ -99,6 +99,21 @@ def test_remote_config_is_validated_and_never_shows_a_password() -> None:
     assert "hunter2" not in str(info.value)
 
 
+def test_remote_url_takes_a_list_of_seeds() -> None:
+    """A JSON list of seeds is the comma-separated string's equal."""
+    seeds = ["redis://u:hunter2@a:7000", "redis://b:7001"]
+    listed, _ = kvoffload.parse_config({"remote_url": seeds}, 1)
+    joined, _ = kvoffload.parse_config({"remote_url": ",".join(seeds)}, 1)
+    assert listed.remote is not None
+    assert joined.remote is not None
+    assert listed.remote["url"] == joined.remote["url"]
+    assert "b:7001" in listed.remote["url"]
+    assert "hunter2" not in listed.remote["url"]
+    for bad in ([], ["redis://a:1", 7], [["redis://a:1"]]):
+        with pytest.raises(kvoffload.ConfigError, match="remote_url"):
+            kvoffload.parse_config({"remote_url": bad}, 1)
+
+
 def test_config_must_be_a_mapping() -> None:
     with pytest.raises(kvoffload.ConfigError):
         kvoffload.parse_config([("cpu_bytes_to_use", 1)], 1)
@@ -179,10 +194,28 @@ def test_on_alloc_blocks_with_a_table_short_of_the_hit_fails_the_load() -> None:
     assert [(gpu, valid) for _, _, gpu, _, valid, _ in loads] == [(ids(20, 21), False)]
 
 
-def test_on_alloc_blocks_is_refused_by_a_planner_of_kv_cache_groups() -> None:
+def test_on_alloc_blocks_reads_each_kv_cache_groups_window() -> None:
+    # Full attention + a 32-token sliding window: the window of a hit ending at block 5
+    # is blocks 3-4, so only those of the sliding-window group are loaded.
     p = _native.Planner(16, 64, groups=[("full_attention", None), ("sliding_window", 32)])
-    with pytest.raises(kvoffload.InvalidInputError, match="every group"):
-        p.on_alloc_blocks("a", [], 0, 16)
+    hashes = [bytes([i]) * 32 for i in range(1, 6)]
+    full, window = list(range(10, 16)), list(range(30, 36))
+    p.lookup("a", hashes, 81, 0)
+    p.on_alloc("a", (full, window), 0, 0)
+    p.schedule(["a"], [0], [(full, window)], [], [], [], set(), {"a": hashes})
+    _, store, _, _, _ = p.schedule([], [], [], ["a"], [80], [None], set(), {"a": hashes})
+    assert store is not None
+    p.request_finished("a", hashes, 81)
+    p.complete([store[0]], [True])
+    assert p.lookup("b", hashes, 81, 32) == 48
+    tables = tuple([_Block(first + i, readable=2 <= i < 5) for i in range(6)] for first in (20, 40))
+    p.on_alloc_blocks("b", tables, 32, 48)
+    loads, _, _, _, _ = p.schedule(["b"], [32], [None], [], [], [], set(), {"b": hashes})
+    assert [(gpu, valid) for _, _, gpu, _, valid, _ in loads] == [(ids(22, 23, 24, 43, 44), True)]
+    # One table for a model of two groups names the mismatch.
+    p.lookup("c", hashes, 81, 0)
+    with pytest.raises(kvoffload.KVOffloadError, match="2"):
+        p.on_alloc_blocks("c", [_Block(1, True)], 0, 16)
 
 
 def test_planner_stats_report_says_each_change_once() -> None:

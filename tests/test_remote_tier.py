@@ -35,10 +35,10 @@ WRITER = textwrap.dedent(
     )
 
     prompts = shared_prefix_prompts(4, 4)
-    with engine({model!r}) as llm:
+    with engine({model!r}, **{engine_kw!r}) as llm:
         reference = generate(llm, prompts)
     cfg = offload_config(remote_url={url!r}, remote_namespace={ns!r})
-    with engine({model!r}, cfg) as llm:
+    with engine({model!r}, cfg, **{engine_kw!r}) as llm:
         outputs = generate(llm, prompts)
         tier = worker_connector().offload_worker._tier
         queued = dict(tier.stats())["remote_writes_queued"] if tier is not None else 0
@@ -69,7 +69,7 @@ READER = textwrap.dedent(
         cfg = offload_config(
             remote_url={url!r}, remote_namespace=phase["ns"], **phase.get("extra", {{}})
         )
-        kw = {{}}
+        kw = dict({engine_kw!r})
         if phase.get("events"):
             from vllm.config import KVEventsConfig
 
@@ -90,8 +90,9 @@ READER = textwrap.dedent(
             worker = dict(tier.stats()) if tier is not None else {{}}
             log = scheduler_connector(llm).offload_scheduler.event_log
             announced = log.num_resident if log is not None else None
+            groups = scheduler_connector(llm).offload_scheduler.planner.num_groups
         results[phase["name"]] = dict(
-            outputs=outputs, planner=stats, worker=worker, announced=announced
+            outputs=outputs, planner=stats, worker=worker, announced=announced, groups=groups
         )
     print("RESULT", json.dumps(results))
     """
@@ -124,24 +125,57 @@ def cluster() -> Any:
         subprocess.run(["bash", str(CLUSTER), "stop", directory], check=False, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def written(cluster: tuple[str, str], tiny_model: Path) -> dict[str, Any]:
+def _write(
+    cluster: tuple[str, str], model: Path, ns: str, engine_kw: dict[str, Any]
+) -> dict[str, Any]:
     """Engine A's run: the reference outputs (vLLM without kvoffload) and its own."""
     _, url = cluster
     tests = str(Path(__file__).parent)
-    script = WRITER.format(tests=tests, model=str(tiny_model), url=url, ns=NAMESPACE)
+    script = WRITER.format(tests=tests, model=str(model), url=url, ns=ns, engine_kw=engine_kw)
     result = run_script(script, {})
     assert result["outputs"] == result["reference"]
     assert result["queued"] > 0, "engine A wrote nothing behind"
     return result
 
 
-def _read(cluster: tuple[str, str], model: Path, phases: list[dict[str, Any]]) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def written(cluster: tuple[str, str], tiny_model: Path) -> dict[str, Any]:
+    return _write(cluster, tiny_model, NAMESPACE, {})
+
+
+def _read(
+    cluster: tuple[str, str],
+    model: Path,
+    phases: list[dict[str, Any]],
+    engine_kw: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     _, url = cluster
     script = READER.format(
-        tests=str(Path(__file__).parent), model=str(model), url=url, phases=json.dumps(phases)
+        tests=str(Path(__file__).parent),
+        model=str(model),
+        url=url,
+        phases=json.dumps(phases),
+        engine_kw=engine_kw or {},
     )
     return run_script(script, {})
+
+
+def _check_served_from_cluster(
+    r: dict[str, Any], reference: list[list[int]], *, groups: int
+) -> None:
+    """The "sync" and "async" phases of ``r`` (a planner of ``groups`` KV-cache groups)
+    were served from the cluster, token-identical to ``reference``, and every fetched
+    block is on the CPU tier like the ones the engine stored itself, announced with them
+    (vLLM's hashes, for a KV-aware router)."""
+    for name in ("sync", "async"):
+        assert r[name]["groups"] == groups, name
+        assert r[name]["outputs"] == reference, name
+        planner = r[name]["planner"]
+        assert planner["remote_hit_tokens"] > 0, (name, planner)
+        assert planner["remote_failed_fetch_blocks"] == 0, (name, planner)
+        assert r[name]["worker"]["remote_bytes_read"] > 0, (name, r[name]["worker"])
+    sync = r["sync"]["planner"]
+    assert r["sync"]["announced"] == sync["stored_blocks"] + sync["remote_fetched_blocks"]
 
 
 def test_engines_share_prefixes_through_the_cluster(
@@ -157,16 +191,7 @@ def test_engines_share_prefixes_through_the_cluster(
     ]
     r = _read(cluster, tiny_model, phases)
     reference = written["reference"]
-    for name in ("sync", "async"):
-        assert r[name]["outputs"] == reference, name
-        planner = r[name]["planner"]
-        assert planner["remote_hit_tokens"] > 0, (name, planner)
-        assert planner["remote_failed_fetch_blocks"] == 0, (name, planner)
-        assert r[name]["worker"]["remote_bytes_read"] > 0, (name, r[name]["worker"])
-    # Blocks fetched from the cluster are on this engine's CPU tier like the ones it
-    # stored itself, and announced with them (vLLM's hashes, for a KV-aware router).
-    sync = r["sync"]["planner"]
-    assert r["sync"]["announced"] == sync["stored_blocks"] + sync["remote_fetched_blocks"]
+    _check_served_from_cluster(r, reference, groups=1)
     other = r["other"]
     assert other["outputs"] == reference
     assert other["planner"]["remote_probe_round_trips"] > 0
@@ -184,12 +209,9 @@ def test_other_weights_under_the_same_name_never_share_blocks(
     from test_weights import same_name_other_weights
     from tiny_model import build_tiny_llama
 
-    _, url = cluster
     ns = "kvoffload-weights"
     model = shutil.copytree(tiny_model, tmp_path / "served")
-    tests = str(Path(__file__).parent)
-    written = run_script(WRITER.format(tests=tests, model=str(model), url=url, ns=ns), {})
-    assert written["queued"] > 0
+    written = _write(cluster, model, ns, {})
     same = _read(cluster, model, [{"name": "same", "ns": ns}])["same"]
     assert same["outputs"] == written["reference"]
     assert same["planner"]["remote_hit_tokens"] > 0, same["planner"]
@@ -204,6 +226,31 @@ def test_other_weights_under_the_same_name_never_share_blocks(
     assert updated["planner"]["remote_fetches"] == 0, updated["planner"]
     assert updated["outputs"] == r["plain"]["outputs"]
     assert r["plain"]["outputs"] != written["reference"], "the weights change nothing"
+
+
+#: The sliding-window + full-attention model's engine: two requests at a time, as in
+#: ``tests/test_group_kinds.py``.
+HYBRID_ENGINE_ARGS = {"max_num_seqs": 2}
+
+
+def test_a_sliding_window_model_shares_prefixes_through_the_cluster(
+    cluster: tuple[str, str], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A model with a sliding-window and a full-attention group (vLLM's hybrid allocator
+    on): engine B serves from the cluster what every group of engine A's prompts needs,
+    token-identical to vLLM without kvoffload, with sync and async loads."""
+    from tiny_model import build_sliding_window_llama
+
+    path = tmp_path_factory.mktemp("hybrid") / "m"
+    model = build_sliding_window_llama(tiny_model, path, ["sliding_attention", "full_attention"])
+    ns = f"{NAMESPACE}-hybrid"
+    written = _write(cluster, model, ns, HYBRID_ENGINE_ARGS)
+    phases = [
+        {"name": "sync", "ns": ns, "events": True},
+        {"name": "async", "ns": ns, "extra": {"load_mode": "async"}},
+    ]
+    r = _read(cluster, model, phases, HYBRID_ENGINE_ARGS)
+    _check_served_from_cluster(r, written["reference"], groups=2)
 
 
 def _corrupt_all(directory: str) -> int:

@@ -125,9 +125,9 @@ class Planner:
     def attach_remote(self, config: OffloadConfig, layout: Mapping[str, Any]) -> None:
         """Connects the remote tier of ``config`` with the keys of ``layout``; raises
         ``RemoteTierError`` when the store cannot be used."""
-    def take_fetches(self) -> list[tuple[int, str, bytes, bytes, int]]:
-        """``(transfer_id, req_id, hashes, cpu_blocks, first_block)``: 16-byte hashes,
-        u32 ids; ``first_block`` is the first hash's position in the request."""
+    def take_fetches(self) -> list[tuple[int, str, bytes, bytes, list[tuple[int, int]]]]:
+        """``(transfer_id, req_id, keys, cpu_blocks, blocks)``: 16-byte remote keys, u32
+        ids; ``blocks``: each block's ``(kv_cache_group, position in the request)``."""
     def complete_fetches(self, reports: list[tuple[int, int]]) -> list[int]:
         """Applies per-rank reports ``(transfer_id, filled)``; the fetches now retired."""
     def block_hashes(self, cpu_blocks: bytes) -> tuple[bytes, bytes]:
@@ -141,17 +141,18 @@ class Planner:
         num_computed_tokens: int,
         num_external_tokens: int,
     ) -> None:
-        """``gpu_block_ids``: group 0's ids, or a tuple of one list per KV-cache group
-        (vLLM's ``KVCacheBlocks.get_block_ids()``)."""
+        """``gpu_block_ids``: a tuple of one list per KV-cache group (vLLM's
+        ``KVCacheBlocks.get_block_ids()``), or the list of a model with one group."""
     def on_alloc_blocks(
         self,
         req_id: str,
-        blocks: Sequence[Any],
+        blocks: tuple[Sequence[Any], ...] | Sequence[Any],
         num_computed_tokens: int,
         num_external_tokens: int,
     ) -> None:
-        """``on_alloc`` for one full-attention group, given vLLM's allocated blocks of
-        group 0 (objects with a ``block_id``): only the blocks the load fills are read."""
+        """``on_alloc`` given vLLM's allocated blocks (``KVCacheBlocks.blocks``: a tuple
+        of one sequence of objects with a ``block_id`` per KV-cache group, or the
+        sequence of a model with one group): only the blocks the load fills are read."""
     def schedule(
         self,
         new_req_ids: list[str],
@@ -236,8 +237,7 @@ class Planner:
         counted in ``dedup_skipped``. An eager planner returns no block."""
     @property
     def reads_scheduled_requests(self) -> bool:
-        """Whether ``schedule`` reads the request lists (a lazy single-group planner
-        does not)."""
+        """Whether ``schedule`` reads the request lists (a lazy planner does not)."""
     def take_stats_report(self) -> tuple[dict[str, int], dict[str, int]] | None:
         """What changed since the previous call: ``({counter: increase},
         {gauge: value})`` with the counters that grew and the gauges that changed

@@ -219,7 +219,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if not config.has_lower_tier:
             return None
         shared = config.remote is not None or bool(config.disk["persist"])
-        why = remote_unsupported(vllm_config, kv_group_kinds(kv_cache_config), shared=shared)
+        why = remote_unsupported(vllm_config, shared=shared)
         if why is not None and config.disk is not None:
             msg = f"KVOffloadConnector: the disk tier cannot serve this engine: {why}"
             logger.error(msg)
@@ -229,8 +229,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         # The scheduler probes with the keys of tensor rank 0, which writes them too.
         rank = 0 if role == KVConnectorRole.SCHEDULER else tensor_parallel_rank()
+        bs = block_size(kv_cache_config, vllm_config)
         return remote_layout(
-            vllm_config, block_size(kv_cache_config, vllm_config), rank, config.kv_cache_version
+            vllm_config, bs, rank, kv_group_kinds(kv_cache_config), config.kv_cache_version
         )
 
     @classmethod

@@ -103,14 +103,15 @@ class CpuEventLog:
     def fetch_issued(self, fetches: list[tuple[Any, ...]], requests: dict[str, Any]) -> None:
         """Snapshots the blocks of remote fetches just issued: once every rank fetched
         them they are on CPU like stored blocks, and announced the same way."""
-        for tid, req_id, _hashes, cpu, first in fetches:
+        for tid, req_id, _keys, _cpu, blocks in fetches:
             request = requests.get(req_id)
             if request is None:
                 continue
-            n = len(cpu) // 4  # u32 CPU block ids
             keys: list[tuple[int, bytes]] = []
-            for i in range(first, min(first + n, len(request.block_hashes))):
-                key = (0, planner_key(request.block_hashes[i]))
+            for group, i in blocks:
+                if i >= len(request.block_hashes):
+                    continue
+                key = (group, planner_key(request.block_hashes[i]))
                 self._in_flight[key] = request_block_meta(request, i, self._block_size)
                 keys.append(key)
             if keys:

@@ -16,10 +16,10 @@ from kvoffload.vllm_adapter import (
 LoadSpec = tuple[int, str, bytes, bytes, bool, bool]
 #: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
 StoreSpec = tuple[int, bytes, bytes, list[str]]
-#: ``(transfer_id, req_id, hashes, cpu_blocks, first_block)``: fetch 16-byte-hash blocks
-#: from the remote tier into CPU blocks the scheduler reserved for them (``first_block``:
-#: the first one's position in the request).
-FetchSpec = tuple[int, str, bytes, bytes, int]
+#: ``(transfer_id, req_id, keys, cpu_blocks, blocks)``: fetch blocks by their 16-byte
+#: remote keys into CPU blocks the scheduler reserved for them (``blocks``: each one's
+#: ``(kv_cache_group, position in the request)``).
+FetchSpec = tuple[int, str, bytes, bytes, list[tuple[int, int]]]
 
 
 @dataclass

@@ -9,12 +9,10 @@ from kvoffload.events import CpuEventLog
 from kvoffload.metadata import IDLE_STEP, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import KVOffloadStats
 from kvoffload.vllm_adapter import (
-    FULL_KINDS,
     GROUP_ID_BYTES,
     EventSpec,
     FreeQueueWalker,
     GpuBlockHolder,
-    allocated_block_ids_per_group,
     allocated_blocks,
     logger,
     skips_prefix_cache,
@@ -56,10 +54,6 @@ class OffloadScheduler:
         self._remote_layout = remote_layout if config.has_lower_tier else None
         self._remote_writes = self._remote_layout is not None and config.writes_lower
         self._use_planner(self._new_planner(num_cpu_blocks))
-        # Several groups: vLLM's block ids of every group go to the planner.
-        self._multi_group = self._planner.num_groups > 1 or (
-            groups is not None and groups[0][0] not in FULL_KINDS
-        )
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward
         # With events on: the log of CPU events, and the requests it snapshots blocks of
@@ -78,7 +72,8 @@ class OffloadScheduler:
         # and checks it against what it read before.
         self._hash_lists: dict[str, Any] = {}
         self._walker: FreeQueueWalker | None = None
-        # Holds GPU blocks a multi-group store reads that vLLM frees from running requests.
+        # Holds GPU blocks an eager store reads that vLLM frees from running requests
+        # (sliding-window and Mamba groups).
         self._holder: GpuBlockHolder | None = None
         #: With events on: GPU block id -> hash of blocks offered since the last plan.
         self._offered: dict[int, bytes] = {}
@@ -131,7 +126,7 @@ class OffloadScheduler:
         # Only lazy mode walks the free queue (the walker follows the queue's removals).
         if self._lazy:
             self._walker = FreeQueueWalker(gpu_block_pool)
-        elif self._multi_group:
+        else:
             self._holder = GpuBlockHolder(gpu_block_pool)
 
     def get_num_new_matched_tokens(
@@ -155,20 +150,11 @@ class OffloadScheduler:
         return hit, self._async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            gpu = None
-        elif self._multi_group:
-            gpu = allocated_block_ids_per_group(blocks)
-        else:
-            self._planner.on_alloc_blocks(
-                request.request_id,
-                allocated_blocks(blocks),
-                request.num_computed_tokens,
-                num_external_tokens,
-            )
-            return
-        self._planner.on_alloc(
-            request.request_id, gpu, request.num_computed_tokens, num_external_tokens
+        self._planner.on_alloc_blocks(
+            request.request_id,
+            allocated_blocks(blocks),
+            request.num_computed_tokens,
+            num_external_tokens,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use common::Rng;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use offload_core::GroupKind;
 use offload_core::{
     BlockHash, BlockKey, Planner, PlannerConfig, ScheduleKind, ScheduledRequest, StepPlan,
     TransferId,
@@ -40,7 +41,10 @@ const RUNNING: [usize; 3] = [64, 256, 1024];
 const BLOCKS: usize = 128;
 
 fn planner(lazy: bool) -> Planner {
-    Planner::new(PlannerConfig::new(BS as u32, CPU_BLOCKS).with_lazy(lazy))
+    Planner::new(
+        PlannerConfig::new(BS as u32, CPU_BLOCKS).with_lazy(lazy),
+        &[GroupKind::FullAttention],
+    )
 }
 
 fn sched<'a>(
@@ -330,7 +334,7 @@ fn per_block(c: &mut Criterion) {
                 for _ in 0..iters {
                     let hit = p.lookup("r", &prefix, num_tokens, 0).expect("lookup");
                     assert_eq!(hit, BLOCKS * BS);
-                    p.on_alloc("r", &gpu, 0, hit).expect("alloc");
+                    p.on_alloc("r", &[&gpu], 0, hit).expect("alloc");
                     let load = p
                         .schedule([sched("r", ScheduleKind::New, 0, &gpu, &prefix)], [])
                         .expect("schedule")

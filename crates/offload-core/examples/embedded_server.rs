@@ -39,6 +39,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use offload_core::transfer::{Direction, RegionSpec, TransferConfig, TransferEngine, TransferJob};
+use offload_core::GroupKind;
 use offload_core::{
     BlockHash, Planner, PlannerConfig, ScheduleKind, ScheduledRequest, StepPlan, TransferId,
 };
@@ -69,10 +70,10 @@ fn main() -> Result<ExitCode, BoxError> {
         CPU_BLOCKS,
         TransferConfig::default(),
     )?;
-    let planner = Planner::new(PlannerConfig::new(
-        BLOCK_TOKENS as u32,
-        engine.num_cpu_blocks(),
-    ));
+    let planner = Planner::new(
+        PlannerConfig::new(BLOCK_TOKENS as u32, engine.num_cpu_blocks()),
+        &[GroupKind::FullAttention],
+    );
     let mut server = Server::new(planner, engine, device);
     let started = Instant::now();
     while !server.is_done() {
@@ -420,7 +421,8 @@ impl Server {
                 // No room: it waits (its CPU hit stays pinned) until requests finish.
                 break;
             };
-            self.planner.on_alloc(&r.id, &table, device_hit, cpu_hit)?;
+            self.planner
+                .on_alloc(&r.id, &[&table], device_hit, cpu_hit)?;
             self.counters.device_hit_tokens += device_hit as u64;
             r.table = table;
             r.computed = device_hit;

@@ -1,8 +1,9 @@
 //! [`OffloadConfig`]: the connector's settings, parsed from `kv_connector_extra_config`.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
+pub use crate::config_value::ConfigValue;
+use crate::config_value::{parse_bool, parse_bytes};
 use crate::error::ConfigError;
 use crate::tier::disk::DiskConfig;
 use crate::tier::{parse_kv_cache_version, RemoteConfig, KEY_KV_CACHE_VERSION};
@@ -68,36 +69,6 @@ pub enum KvCacheLayout {
 /// The default total budget when neither byte key is given: 8 GiB.
 pub const DEFAULT_CPU_BYTES: u64 = 8 << 30;
 
-/// One value of the key/value map, as it arrives from JSON or Python.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ConfigValue {
-    /// An integer.
-    Int(i128),
-    /// A floating point number; accepted for byte sizes only when integral (`6.4e10`).
-    Float(f64),
-    /// A boolean.
-    Bool(bool),
-    /// A string; accepted for byte sizes when it is a plain decimal integer.
-    Str(String),
-    /// `null` / `None`.
-    Null,
-    /// Any other type; the string is its type name, for the error message.
-    Other(String),
-}
-
-impl fmt::Display for ConfigValue {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Int(v) => write!(f, "{v} (int)"),
-            Self::Float(v) => write!(f, "{v} (float)"),
-            Self::Bool(v) => write!(f, "{v} (bool)"),
-            Self::Str(v) => write!(f, "{v:?} (str)"),
-            Self::Null => f.write_str("None"),
-            Self::Other(t) => write!(f, "a value of type {t}"),
-        }
-    }
-}
-
 /// Validated offload settings for one rank.
 ///
 /// # Examples
@@ -140,6 +111,7 @@ pub struct OffloadConfig {
 
 /// The result of parsing: the config plus warnings the caller should log.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ParsedConfig {
     /// The validated config.
     pub config: OffloadConfig,
@@ -306,43 +278,6 @@ fn split_total(total: u64, world_size: u32) -> Result<u64, ConfigError> {
     Ok(per_rank)
 }
 
-pub(crate) fn parse_bytes(key: &str, value: &ConfigValue) -> Result<u64, ConfigError> {
-    let invalid = |reason| ConfigError::InvalidValue {
-        key: key.to_string(),
-        value: value.to_string(),
-        reason,
-    };
-    let n: i128 = match value {
-        ConfigValue::Int(v) => *v,
-        ConfigValue::Float(v) => {
-            if !v.is_finite() || v.fract() != 0.0 {
-                return Err(invalid("must be a whole number of bytes"));
-            }
-            if v.abs() > 1e30 {
-                return Err(invalid("too large"));
-            }
-            // Integral and bounded, so the conversion is exact.
-            *v as i128
-        }
-        ConfigValue::Str(s) => s
-            .trim()
-            .replace('_', "")
-            .parse::<i128>()
-            .map_err(|_| invalid("must be a whole number of bytes"))?,
-        ConfigValue::Bool(_) | ConfigValue::Null | ConfigValue::Other(_) => {
-            return Err(ConfigError::WrongType {
-                key: key.to_string(),
-                expected: "a positive integer number of bytes",
-                got: value.to_string(),
-            })
-        }
-    };
-    if n <= 0 {
-        return Err(invalid("must be a positive number of bytes"));
-    }
-    u64::try_from(n).map_err(|_| invalid("too large"))
-}
-
 fn parse_load_mode(value: &ConfigValue) -> Result<LoadMode, ConfigError> {
     match value {
         ConfigValue::Str(s) => match s.trim().to_ascii_lowercase().as_str() {
@@ -389,26 +324,6 @@ fn parse_kv_cache_layout(value: &ConfigValue) -> Result<KvCacheLayout, ConfigErr
         });
     }
     Ok(KvCacheLayout::Named(upper))
-}
-
-pub(crate) fn parse_bool(key: &str, value: &ConfigValue) -> Result<bool, ConfigError> {
-    match value {
-        ConfigValue::Bool(b) => Ok(*b),
-        ConfigValue::Str(s) => match s.trim().to_ascii_lowercase().as_str() {
-            "true" => Ok(true),
-            "false" => Ok(false),
-            _ => Err(ConfigError::InvalidValue {
-                key: key.to_string(),
-                value: value.to_string(),
-                reason: "must be true or false",
-            }),
-        },
-        _ => Err(ConfigError::WrongType {
-            key: key.to_string(),
-            expected: "a bool",
-            got: value.to_string(),
-        }),
-    }
 }
 
 #[cfg(test)]
@@ -477,7 +392,8 @@ mod tests {
             ConfigValue::Float(f64::NAN),
             ConfigValue::Str("abc".into()),
             ConfigValue::Bool(true),
-            ConfigValue::Other("list".into()),
+            ConfigValue::Other("dict".into()),
+            ConfigValue::List(vec![ConfigValue::Int(1)]),
             ConfigValue::Int(i128::from(u64::MAX) + 1),
         ];
         for key in [KEY_CPU_BYTES, KEY_CPU_BYTES_PER_RANK] {
@@ -491,6 +407,7 @@ mod tests {
                     ConfigValue::Float(f) => f.to_string(),
                     ConfigValue::Int(i) => i.to_string(),
                     ConfigValue::Bool(b) => b.to_string(),
+                    ConfigValue::List(_) => "list".to_string(),
                     ConfigValue::Null => unreachable!(),
                 };
                 assert!(msg.contains(&shown), "{msg} lacks {shown}");

@@ -7,6 +7,7 @@ use thiserror::Error;
 /// Every variant names the key and the offending value, so an operator can find the
 /// mistake in `kv_connector_extra_config` without reading code.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// The value has a type the key does not accept (a bool where bytes are expected, a list, ...).
     #[error("kvoffload config key `{key}`: expected {expected}, got {got}")]

@@ -1,6 +1,6 @@
 //! The vocabulary every module shares: block hashes, index keys and CPU block ids.
 //!
-//! It sits below [`crate::index`] and [`crate::pool`] so that neither imports the other.
+//! It sits below the prefix index and the block pool so that neither imports the other.
 
 use std::hash::{BuildHasher, Hash, Hasher};
 
@@ -45,10 +45,29 @@ pub struct BlockKey {
     pub hash: BlockHash,
 }
 
+/// Tells KV-cache groups apart in remote keys (see [`BlockKey::remote_hash`]): an odd
+/// constant, so `group * GROUP_MIX` is a different value for every group.
+const GROUP_MIX: u128 = 0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835;
+
 impl BlockKey {
     /// A key in group `group`.
     pub const fn new(group: u32, hash: BlockHash) -> Self {
         Self { group, hash }
+    }
+
+    /// The block's key in a remote tier, whose keys are one hash: the hash itself in
+    /// group 0 (a model of one group keys its blocks by their hashes), the hash XOR
+    /// `group` times an odd constant in the others.
+    ///
+    /// ```
+    /// use offload_core::{BlockHash, BlockKey};
+    ///
+    /// let h = BlockHash(7);
+    /// assert_eq!(BlockKey::new(0, h).remote_hash(), h);
+    /// assert_ne!(BlockKey::new(1, h).remote_hash(), BlockKey::new(2, h).remote_hash());
+    /// ```
+    pub const fn remote_hash(&self) -> BlockHash {
+        BlockHash(self.hash.0 ^ GROUP_MIX.wrapping_mul(self.group as u128))
     }
 }
 

@@ -7,13 +7,19 @@
 //! It is pure Rust with no Python and no CUDA needed to build or test, so servers other
 //! than vLLM embed it and drive the same protocol the vLLM connector drives:
 //! - [`Planner`] (scheduler side) owns CPU block ids and each request's block hashes.
-//!   Per engine step: [`Planner::lookup`] for waiting requests, [`Planner::on_alloc`]
+//!   A model is a list of KV-cache groups ([`GroupKind`]: a dense model is
+//!   `[GroupKind::FullAttention]`, hybrid models add sliding-window or Mamba groups), and
+//!   every model takes the same path: `Planner::new(cfg, &kinds)`. Per engine step: [`Planner::lookup`] for waiting requests, [`Planner::on_alloc`]
 //!   for the hit the scheduler accepted, [`Planner::schedule`] with the step's requests
 //!   (it returns the step's [`StepPlan`]), [`Planner::complete_all`] with what workers
 //!   report, [`Planner::request_finished`] when a request ends;
 //! - [`transfer::TransferEngine`] (worker side) owns the host memory and executes each
 //!   plan's [`LoadJob`]s and [`StoreJob`]s on its own copy thread;
 //! - [`OffloadConfig`] parses and validates the settings.
+//!
+//! The CPU tier's building blocks ([`BlockCache`], [`PrefixIndex`], [`BlockPool`], the
+//! eviction policies, [`HostMemory`]) are public from the crate root for benches and for
+//! servers that assemble their own scheduler side; the modules that hold them are not.
 //!
 //! Hashes are the server's own chained block hashes (block `k`'s hash covers blocks
 //! `0..=k`), read through [`HashSource`] when the planner needs them and checked against
@@ -25,9 +31,13 @@
 //! the same prefix from CPU (`examples/embedded_server.rs` adds the worker side and real
 //! bytes):
 //! ```
-//! use offload_core::{BlockHash, Planner, PlannerConfig, ScheduleKind, ScheduledRequest};
+//! use offload_core::{
+//!     BlockHash, GroupKind, Planner, PlannerConfig, ScheduleKind, ScheduledRequest,
+//! };
 //!
-//! let mut planner = Planner::new(PlannerConfig::new(16, 1024).with_events(true));
+//! // A dense model: one full-attention KV-cache group.
+//! let dense = [GroupKind::FullAttention];
+//! let mut planner = Planner::new(PlannerConfig::new(16, 1024).with_events(true), &dense);
 //! let prompt: Vec<BlockHash> = (1..=8).map(BlockHash).collect(); // 128 tokens
 //! let new = |req, gpu: &[u32]| ScheduledRequest {
 //!     req_id: req,
@@ -41,7 +51,7 @@
 //! // Request "a" runs: nothing on CPU yet, its 8 blocks live in GPU blocks 100..108.
 //! assert_eq!(planner.lookup("a", &prompt, 129, 0)?, 0);
 //! let gpu_a: Vec<u32> = (100..109).collect();
-//! planner.on_alloc("a", &gpu_a, 0, 0)?;
+//! planner.on_alloc("a", &[&gpu_a], 0, 0)?;
 //! assert!(planner.schedule([new("a", &gpu_a)], [])?.is_empty());
 //! // It finishes; the flush stores all 8 full blocks and the server must keep them.
 //! assert!(planner.request_finished("a", &prompt, 128)?);
@@ -55,7 +65,7 @@
 //! // Request "b" shares the prompt: 128 tokens come from CPU, only the last is computed.
 //! assert_eq!(planner.lookup("b", &prompt, 129, 0)?, 128);
 //! let gpu_b: Vec<u32> = (200..209).collect();
-//! planner.on_alloc("b", &gpu_b, 0, 128)?;
+//! planner.on_alloc("b", &[&gpu_b], 0, 128)?;
 //! let load = planner.schedule([new("b", &gpu_b)], [])?.loads.remove(0);
 //! assert_eq!(load.cpu_blocks, store.cpu_blocks);
 //! planner.complete(load.id, true)?;
@@ -63,16 +73,17 @@
 //! # Ok::<(), offload_core::PlanError>(())
 //! ```
 
-pub mod cache;
+mod cache;
 pub mod config;
+mod config_value;
 pub mod error;
 pub mod events;
-pub mod evict;
-pub mod index;
+mod evict;
+mod index;
 pub mod key;
-pub mod memory;
+mod memory;
 pub mod planner;
-pub mod pool;
+mod pool;
 mod prefetch;
 pub mod tier;
 pub mod transfer;
@@ -84,9 +95,10 @@ pub use events::{EventBuffer, KvEvent, PlannerStats};
 pub use evict::{Clock, EvictionPolicy, Lru, Slru};
 pub use index::{PrefixIndex, Vacancy};
 pub use key::{BlockHash, BlockId, BlockKey};
+pub use memory::{HostMemory, HostMemoryOptions, MemoryError};
 pub use planner::{
-    Completions, FetchJob, GroupKind, HashSource, LazyCandidate, LoadJob, LookupOutcome, Planner,
-    PlannerConfig, RemoteStats, ScheduleKind, ScheduledGroups, ScheduledRequest, StepPlan,
-    StoreJob, TransferId,
+    Completions, FetchJob, GroupKind, GroupTables, HashSource, LazyCandidate, LoadJob,
+    LookupOutcome, Planner, PlannerConfig, RemoteStats, ScheduleKind, ScheduledGroups,
+    ScheduledRequest, StepPlan, StoreJob, TransferId,
 };
 pub use pool::{BlockPool, BlockState, PoolError};

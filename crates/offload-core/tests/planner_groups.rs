@@ -28,7 +28,7 @@ const HYBRID: [GroupKind; 2] = [
 ];
 
 fn hybrid(blocks: u32, after_forward: bool) -> Planner {
-    Planner::with_groups(
+    Planner::new(
         PlannerConfig::new(BS as u32, blocks)
             .with_events(true)
             .with_stores_after_forward(after_forward),
@@ -52,7 +52,7 @@ fn store_in_one_step(p: &mut Planner, req: &str, h: &[BlockHash], full: u32, sli
     let [f, s] = tables(n, full, sliding, 0);
     let tokens = h.len() * BS;
     assert_eq!(p.lookup(req, h, tokens + 1, 0).unwrap(), 0);
-    p.on_alloc_groups(req, &[&f, &s], 0, 0).unwrap();
+    p.on_alloc(req, &[&f, &s], 0, 0).unwrap();
     let plan = step(p, [sched(req, ScheduleKind::New, 0, tokens, &[&f, &s], h)]);
     let store = plan.store.expect("the prompt's blocks");
     assert_eq!(store.groups.len(), 2 * h.len());
@@ -71,7 +71,7 @@ fn load_whole_hit(p: &mut Planner, h: &[BlockHash]) -> StepPlan {
     store_in_one_step(p, "a", h, 10, 30);
     assert_eq!(p.lookup("b", h, 5 * BS + 1, 0).unwrap(), 5 * BS);
     let [f, s] = tables(6, 50, 70, 3);
-    p.on_alloc_groups("b", &[&f, &s], 0, 5 * BS).unwrap();
+    p.on_alloc("b", &[&f, &s], 0, 5 * BS).unwrap();
     step(p, [sched("b", ScheduleKind::New, 5 * BS, 1, &[&f, &s], h)])
 }
 
@@ -81,7 +81,7 @@ fn a_running_request_stores_only_the_sliding_blocks_it_still_holds_and_holds_the
     let h = hashes(1, 5);
     let [f, s] = tables(6, 10, 30, 0);
     p.lookup("a", &h, 5 * BS + 1, 0).unwrap();
-    p.on_alloc_groups("a", &[&f, &s], 0, 0).unwrap();
+    p.on_alloc("a", &[&f, &s], 0, 0).unwrap();
     assert!(step(&mut p, [sched("a", ScheduleKind::New, 0, 0, &[&f, &s], &h)]).is_empty());
     // Next step: 80 tokens computed; vLLM's allocation freed the sliding blocks before the
     // window of token 80 (blocks 0..3).
@@ -111,7 +111,7 @@ fn a_finished_request_stores_only_the_sliding_blocks_vllm_kept_at_its_finish() {
     let h = hashes(1, 5);
     let [f, s] = tables(6, 10, 30, 0);
     p.lookup("a", &h, 5 * BS + 1, 0).unwrap();
-    p.on_alloc_groups("a", &[&f, &s], 0, 0).unwrap();
+    p.on_alloc("a", &[&f, &s], 0, 0).unwrap();
     // The whole prompt in one step, then finished by the token it sampled: before it
     // hands the table over, vLLM frees the sliding blocks before the window of the 81
     // computed tokens (blocks 0..3), which the next step may allocate to anyone.
@@ -155,7 +155,7 @@ fn the_hit_is_the_longest_one_every_group_can_serve() {
     // sliding blocks still in the window (3 and 4).
     let [f, s] = tables(6, 10, 30, 0);
     p.lookup("a", &h, 5 * BS + 1, 0).unwrap();
-    p.on_alloc_groups("a", &[&f, &s], 0, 0).unwrap();
+    p.on_alloc("a", &[&f, &s], 0, 0).unwrap();
     step(&mut p, [sched("a", ScheduleKind::New, 0, 0, &[&f, &s], &h)]);
     let plan = step(
         &mut p,
@@ -187,7 +187,7 @@ fn a_sliding_only_model_hits_on_its_window() {
     let window = GroupKind::SlidingWindow {
         window: 2 * BS as u32 + 1,
     };
-    let mut p = Planner::with_groups(
+    let mut p = Planner::new(
         PlannerConfig::new(BS as u32, 64).with_stores_after_forward(true),
         &[window],
     );
@@ -203,7 +203,7 @@ fn a_sliding_only_model_hits_on_its_window() {
     p.request_finished("a", &h, 4 * BS).unwrap();
     assert_eq!(p.lookup("b", &h, 4 * BS + 1, 0).unwrap(), 4 * BS);
     let table = [NULL, NULL, 42, 43, 44];
-    p.on_alloc_groups("b", &[&table], 0, 4 * BS).unwrap();
+    p.on_alloc("b", &[&table], 0, 4 * BS).unwrap();
     let plan = step(
         &mut p,
         [sched("b", ScheduleKind::New, 4 * BS, 1, &[&table], &h)],
@@ -219,7 +219,7 @@ fn accepting_less_than_offered_moves_the_window_off_the_pins_and_fails_the_load(
     // computed when it was scheduled holds no earlier one.
     let [f, s] = tables(6, 10, 30, 3);
     p.lookup("a", &h, 5 * BS + 1, 0).unwrap();
-    p.on_alloc_groups("a", &[&f, &s], 0, 0).unwrap();
+    p.on_alloc("a", &[&f, &s], 0, 0).unwrap();
     let plan = step(
         &mut p,
         [sched("a", ScheduleKind::New, 5 * BS, 0, &[&f, &s], &h)],
@@ -231,7 +231,7 @@ fn accepting_less_than_offered_moves_the_window_off_the_pins_and_fails_the_load(
     assert_eq!(p.lookup("b", &h, 5 * BS + 1, 0).unwrap(), 5 * BS);
     // The scheduler takes 3 blocks: the window of 48 tokens is blocks 1 and 2, not on CPU.
     let [f, s] = tables(6, 50, 70, 1);
-    p.on_alloc_groups("b", &[&f, &s], 0, 3 * BS).unwrap();
+    p.on_alloc("b", &[&f, &s], 0, 3 * BS).unwrap();
     let plan = step(
         &mut p,
         [sched("b", ScheduleKind::New, 3 * BS, 1, &[&f, &s], &h)],
@@ -271,7 +271,7 @@ fn block_tables_for_another_number_of_groups_are_refused_naming_the_request() {
     p.lookup("a", &h, 2 * BS + 1, 0).unwrap();
     let only_full: [&[u32]; 1] = [&[1, 2, 3]];
     let err = p
-        .schedule_groups([sched("a", ScheduleKind::New, 0, 32, &only_full, &h)], [])
+        .schedule([sched("a", ScheduleKind::New, 0, 32, &only_full, &h)], [])
         .unwrap_err();
     assert_eq!(
         err,
@@ -282,11 +282,9 @@ fn block_tables_for_another_number_of_groups_are_refused_naming_the_request() {
         }
     );
     assert!(err.to_string().contains("`a`"));
-    let err = p.on_alloc_groups("a", &only_full, 0, 16).unwrap_err();
+    let err = p.on_alloc("a", &only_full, 0, 16).unwrap_err();
     assert!(matches!(err, PlanError::GroupMismatch { .. }));
-    // The single-table calls too.
-    let err = p.on_alloc("a", &[1, 2, 3], 0, 16).unwrap_err();
-    assert!(matches!(err, PlanError::GroupMismatch { got: 1, .. }));
+    // A plain table is one group's.
     let one = offload_core::ScheduledRequest {
         req_id: "a",
         kind: ScheduleKind::New,
@@ -300,14 +298,14 @@ fn block_tables_for_another_number_of_groups_are_refused_naming_the_request() {
 }
 
 #[test]
-fn one_full_attention_group_is_the_single_group_planner() {
-    let p = Planner::with_groups(PlannerConfig::new(16, 8), &[GroupKind::FullAttention]);
+fn a_dense_model_is_one_full_attention_group() {
+    let p = Planner::new(PlannerConfig::new(16, 8), &[GroupKind::FullAttention]);
     assert_eq!(p.groups(), &[GroupKind::FullAttention]);
     let mut p = p;
     let h = hashes(1, 2);
     let full: [&[u32]; 1] = [&[1, 2, 3]];
     p.lookup("a", &h, 2 * BS + 1, 0).unwrap();
-    p.on_alloc_groups("a", &full, 0, 0).unwrap();
+    p.on_alloc("a", &full, 0, 0).unwrap();
     step(&mut p, [sched("a", ScheduleKind::New, 0, 0, &full, &h)]);
     let plan = step(
         &mut p,
@@ -320,7 +318,7 @@ fn one_full_attention_group_is_the_single_group_planner() {
 
 #[test]
 fn lazy_candidates_are_stored_under_their_own_group() {
-    let mut p = Planner::with_groups(
+    let mut p = Planner::new(
         PlannerConfig::new(BS as u32, 64)
             .with_lazy(true)
             .with_events(true),
@@ -332,7 +330,7 @@ fn lazy_candidates_are_stored_under_their_own_group() {
     let held = p.offer_lazy([(7, BlockKey::new(0, h[0])), (8, BlockKey::new(1, h[0]))]);
     assert_eq!(held, vec![7, 8]);
     let plan = p
-        .schedule_groups(
+        .schedule(
             std::iter::empty::<Sched<'_>>(),
             [(9, BlockKey::new(1, h[1]))],
         )
@@ -373,7 +371,7 @@ fn a_failed_load_drops_its_blocks_of_every_group() {
 const SSM_HYBRID: [GroupKind; 2] = [GroupKind::FullAttention, GroupKind::Mamba];
 
 fn ssm_hybrid(after_forward: bool) -> Planner {
-    Planner::with_groups(
+    Planner::new(
         PlannerConfig::new(BS as u32, 64).with_stores_after_forward(after_forward),
         &SSM_HYBRID,
     )
@@ -399,7 +397,7 @@ fn ssm_prompt_before_forward(p: &mut Planner, h: &[BlockHash]) -> Vec<(u32, u32)
     };
     p.lookup("a", h, tokens + 1, 0).unwrap();
     let (f, m): (&[u32], &[u32]) = (&[10, 11, 12], &[NULL, NULL, 32]);
-    p.on_alloc_groups("a", &[f, m], 0, 0).unwrap();
+    p.on_alloc("a", &[f, m], 0, 0).unwrap();
     let plan = step(p, [sched("a", ScheduleKind::New, 0, 3 * BS, &[f, m], h)]);
     record(p, plan, &[]);
     let added: [&[u32]; 2] = [&[13, 14], &[NULL, 34]];
@@ -451,7 +449,7 @@ fn a_mamba_hit_needs_only_the_state_at_its_end_and_loads_it_where_vllm_allocated
     // one ending at the hit, and nulls the rest: the load fills that block only.
     assert_eq!(p.lookup("b", &h, 5 * BS + 5, 0).unwrap(), 5 * BS);
     let (f, m): (&[u32], &[u32]) = (&[50, 51, 52, 53, 54], &[NULL, NULL, NULL, NULL, 74]);
-    p.on_alloc_groups("b", &[f, m], 0, 5 * BS).unwrap();
+    p.on_alloc("b", &[f, m], 0, 5 * BS).unwrap();
     let plan = step(
         &mut p,
         [sched("b", ScheduleKind::New, 5 * BS, 0, &[f, m], &h)],
@@ -471,7 +469,7 @@ fn stores_after_the_forward_take_the_state_where_the_step_s_chunk_ended() {
     // and 1 are null.
     let (f, m): (&[u32], &[u32]) = (&[10, 11, 12], &[NULL, NULL, 32]);
     p.lookup("a", &h, 5 * BS + 5, 0).unwrap();
-    p.on_alloc_groups("a", &[f, m], 0, 0).unwrap();
+    p.on_alloc("a", &[f, m], 0, 0).unwrap();
     let plan = step(
         &mut p,
         [sched("a", ScheduleKind::New, 0, 3 * BS, &[f, m], &h)],
@@ -500,7 +498,7 @@ fn stores_after_the_forward_take_the_state_where_the_step_s_chunk_ended() {
 
 #[test]
 fn a_mamba_only_model_hits_on_the_state_at_the_boundary() {
-    let mut p = Planner::with_groups(
+    let mut p = Planner::new(
         PlannerConfig::new(BS as u32, 64).with_stores_after_forward(true),
         &[GroupKind::Mamba],
     );
@@ -516,7 +514,7 @@ fn a_mamba_only_model_hits_on_the_state_at_the_boundary() {
     // A shorter prompt sharing 3 blocks finds no state after 3 blocks.
     assert_eq!(p.lookup("c", &h[..3], 3 * BS + 1, 0).unwrap(), 0);
     let table: &[u32] = &[NULL, NULL, NULL, 43];
-    p.on_alloc_groups("b", &[table], 0, 4 * BS).unwrap();
+    p.on_alloc("b", &[table], 0, 4 * BS).unwrap();
     let plan = step(
         &mut p,
         [sched("b", ScheduleKind::New, 4 * BS, 1, &[table], &h)],

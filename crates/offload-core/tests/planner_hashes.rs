@@ -42,7 +42,7 @@ fn assert_old_content_not_served(p: &mut Planner) {
     let old = old_list();
     let hit = p.lookup("other", &old, old.len() * BS + 1, 0).unwrap();
     assert_eq!(hit, 2 * BS, "only the common prefix holds the old content");
-    p.on_alloc("other", &[], 0, 0).unwrap();
+    p.on_alloc("other", &[Vec::<u32>::new()], 0, 0).unwrap();
     assert!(!p.request_finished("other", &old, 0).unwrap());
 }
 
@@ -77,7 +77,7 @@ fn hash_read_by_a_lookup_then_rewritten_is_never_stored_or_served() {
     p.take_events();
     assert_eq!(p.lookup("s", &old, 65, 0), Ok(32));
     let gpu = [10, 11, 12, 13, 14];
-    p.on_alloc("s", &gpu, 0, 32).unwrap();
+    p.on_alloc("s", &[&gpu], 0, 32).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
     p.complete(load.id, true).unwrap();
     step(&mut p, [new_req("s", 32, &gpu, &old)]);
@@ -108,7 +108,7 @@ fn hashes_read_by_store_selection_then_rewritten_are_not_served_to_the_session()
 
     // The session waits for its next chunk with its first two blocks on the GPU.
     assert_eq!(p.lookup("s", &new, 65, 32), Ok(0));
-    p.on_alloc("s", &gpu, 32, 0).unwrap();
+    p.on_alloc("s", &[&gpu], 32, 0).unwrap();
     step(&mut p, [resumed("s", 32, &gpu, &new)]);
     let store = step(&mut p, [running("s", 64, &[], &new)]).store.unwrap();
     assert_eq!(store.gpu_blocks, vec![2, 3]);
@@ -132,7 +132,7 @@ fn stale_hash_is_caught_by_the_flush_at_request_finished() {
     p.take_events();
     assert_eq!(p.lookup("s", &old, 65, 0), Ok(32));
     let gpu = [10, 11, 12, 13, 14];
-    p.on_alloc("s", &gpu, 0, 0).unwrap();
+    p.on_alloc("s", &[&gpu], 0, 0).unwrap();
     step(&mut p, [new_req("s", 0, &gpu, &old)]);
 
     assert!(p.request_finished("s", &new, 64).unwrap());
@@ -157,7 +157,7 @@ fn pinned_hit_past_the_truncation_point_is_released() {
     assert_eq!(pinned(&p), 4);
     assert_eq!(p.lookup("s", &new, 65, 0), Ok(32));
     assert_eq!(pinned(&p), 2);
-    p.on_alloc("s", &[10, 11, 12, 13, 14], 0, 32).unwrap();
+    p.on_alloc("s", &[[10, 11, 12, 13, 14]], 0, 32).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
     assert!(load.valid);
     assert_eq!(load.cpu_blocks.len(), 2);
@@ -176,7 +176,7 @@ fn pinned_hit_after_the_gpu_prefix_is_rechecked_when_asked_again() {
     assert_eq!(pinned(&p), 2);
     assert_eq!(p.lookup("s", &new, 65, 32), Ok(0));
     assert_eq!(pinned(&p), 0);
-    p.on_alloc("s", &[10, 11, 12, 13, 14], 32, 0).unwrap();
+    p.on_alloc("s", &[[10, 11, 12, 13, 14]], 32, 0).unwrap();
     assert!(idle_step(&mut p).is_empty());
 }
 
@@ -190,7 +190,7 @@ fn list_that_only_shrank_forgets_the_dropped_hashes() {
     p.take_events();
     assert_eq!(p.lookup("s", &old, 65, 0), Ok(32));
     let gpu = [10, 11, 12, 13, 14];
-    p.on_alloc("s", &gpu, 0, 0).unwrap();
+    p.on_alloc("s", &[&gpu], 0, 0).unwrap();
     step(&mut p, [new_req("s", 0, &gpu, &old)]);
 
     let shrunk = &new[..2];
@@ -198,7 +198,7 @@ fn list_that_only_shrank_forgets_the_dropped_hashes() {
     // name (both are on CPU already).
     assert!(step(&mut p, [running("s", 48, &[], shrunk)]).is_empty());
     assert_eq!(p.lookup("s", shrunk, 33, 0), Ok(32));
-    p.on_alloc("s", &gpu, 0, 0).unwrap();
+    p.on_alloc("s", &[&gpu], 0, 0).unwrap();
     let store = step(&mut p, [running("s", 64, &[], &new)]).store.unwrap();
     assert_eq!(store_keys(&p, &store), new[2..].to_vec());
     complete_on_every_rank(&mut p, store.id);
@@ -222,7 +222,7 @@ fn identical_regrowth_keeps_what_the_planner_knew() {
     assert_eq!(p.stats().cached_lookups, cached + 1);
     assert_eq!(pinned(&p), 2);
     let gpu = [10, 11, 12, 13, 14];
-    p.on_alloc("s", &gpu, 0, 32).unwrap();
+    p.on_alloc("s", &[&gpu], 0, 32).unwrap();
     let load = step(&mut p, [new_req("s", 32, &gpu, &regrown)])
         .loads
         .remove(0);
@@ -394,7 +394,7 @@ fn unreadable_hash_at_finish_still_finishes_the_request() {
     store_prompt(&mut p, "a", &h[..1], 0);
     assert_eq!(p.lookup("s", &h, 49, 0), Ok(16));
     let gpu = [5, 6, 7, 8];
-    p.on_alloc("s", &gpu, 0, 0).unwrap();
+    p.on_alloc("s", &[&gpu], 0, 0).unwrap();
     step(&mut p, [new_req("s", 0, &gpu, &h)]);
     let err = p
         .request_finished("s", &Flaky::bad_at(&h, 2), 48)
@@ -448,7 +448,7 @@ fn a_step_reads_only_the_hashes_it_needs() {
                         kind: ScheduleKind::Running,
                         num_computed_tokens: computed,
                         num_scheduled_tokens: 0,
-                        gpu_blocks: vec![],
+                        gpu_blocks: Vec::<u32>::new(),
                         hashes: &src,
                     }],
                     [],

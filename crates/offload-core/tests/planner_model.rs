@@ -198,7 +198,7 @@ impl Model {
                     self.gpu_mem.insert(r.gpu[b], r.hashes[b]);
                 }
                 let computed = r.gpu_hit * BS;
-                self.p.on_alloc(&r.id, &r.gpu, computed, accept).unwrap();
+                self.p.on_alloc(&r.id, &[&r.gpu], computed, accept).unwrap();
                 r.allocated = true;
                 r.loading = accept > 0;
                 r.computed = computed + accept;

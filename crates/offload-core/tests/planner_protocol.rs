@@ -10,6 +10,7 @@ use common::planner::{
     complete_on_every_rank, hashes, idle_step, key, new_req, pinned, planner, resumed, running,
     step, store_keys, store_prompt, Sched, BS,
 };
+use offload_core::GroupKind;
 use offload_core::{BlockHash, KvEvent, PlanError, Planner, PlannerConfig};
 
 #[test]
@@ -29,7 +30,7 @@ fn hit_starts_after_the_gpu_prefix() {
     store_prompt(&mut p, "a", &h, 0);
     assert_eq!(p.lookup("b", &h, 65, 32), Ok(32));
     let gpu = [7, 8, 9, 10, 11];
-    p.on_alloc("b", &gpu, 32, 32).unwrap();
+    p.on_alloc("b", &[&gpu], 32, 32).unwrap();
     let load = step(&mut p, [new_req("b", 32, &gpu, &h)]).loads.remove(0);
     assert_eq!(load.gpu_blocks, vec![9, 10]);
     assert_eq!(load.cpu_blocks.len(), 2);
@@ -67,7 +68,7 @@ fn a_grown_gpu_hit_reuses_the_pinned_run() {
     // It shrinks again: a fresh lookup from the new start.
     assert_eq!(p.lookup("b", &h, 65, 16), Ok(48));
     assert_eq!(pinned(&p), 3);
-    p.on_alloc("b", &[9, 9, 9, 9, 9], 16, 48).unwrap();
+    p.on_alloc("b", &[[9, 9, 9, 9, 9]], 16, 48).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
     assert_eq!(load.cpu_blocks.len(), 3);
 }
@@ -78,7 +79,7 @@ fn partially_accepted_hit_unpins_the_rest() {
     let h = hashes(1, 4);
     store_prompt(&mut p, "a", &h, 0);
     assert_eq!(p.lookup("b", &h, 65, 0), Ok(64));
-    p.on_alloc("b", &[20, 21, 22, 23, 24], 0, 16).unwrap();
+    p.on_alloc("b", &[[20, 21, 22, 23, 24]], 0, 16).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
     assert_eq!(load.cpu_blocks.len(), 1);
     assert_eq!(load.gpu_blocks, vec![20]);
@@ -93,7 +94,7 @@ fn refused_hit_unpins_everything() {
     let h = hashes(1, 4);
     store_prompt(&mut p, "a", &h, 0);
     assert_eq!(p.lookup("b", &h, 65, 0), Ok(64));
-    p.on_alloc("b", &[20, 21, 22, 23, 24], 0, 0).unwrap();
+    p.on_alloc("b", &[[20, 21, 22, 23, 24]], 0, 0).unwrap();
     assert_eq!(pinned(&p), 0);
     assert!(idle_step(&mut p).is_empty());
 }
@@ -102,7 +103,7 @@ fn refused_hit_unpins_everything() {
 fn load_without_a_hit_is_reported_failed_not_stranded() {
     let mut p = planner(16, 1, false);
     assert_eq!(p.lookup("b", &hashes(1, 4), 65, 0), Ok(0));
-    p.on_alloc("b", &[5, 6, 7, 8, 9], 0, 32).unwrap();
+    p.on_alloc("b", &[[5, 6, 7, 8, 9]], 0, 32).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
     assert!(!load.valid);
     assert_eq!(load.gpu_blocks, vec![5, 6]);
@@ -125,8 +126,8 @@ fn a_failed_load_is_not_offered_again() {
     p.take_events();
     assert_eq!(p.lookup("b", &h, 65, 0), Ok(64));
     assert_eq!(p.lookup("c", &h[..2], 33, 0), Ok(32));
-    p.on_alloc("b", &[20, 21, 22, 23, 24], 0, 64).unwrap();
-    p.on_alloc("c", &[30, 31, 32], 0, 32).unwrap();
+    p.on_alloc("b", &[[20, 21, 22, 23, 24]], 0, 64).unwrap();
+    p.on_alloc("c", &[[30, 31, 32]], 0, 32).unwrap();
     let loads = idle_step(&mut p).loads;
     assert_eq!(loads.len(), 2);
     p.complete(loads[0].id, false).unwrap();
@@ -149,9 +150,9 @@ fn a_failed_load_is_not_offered_again() {
 #[test]
 fn load_for_a_request_never_looked_up_is_an_error_only_if_it_moves_tokens() {
     let mut p = planner(16, 1, false);
-    p.on_alloc("x", &[1, 2], 0, 0).unwrap();
+    p.on_alloc("x", &[[1, 2]], 0, 0).unwrap();
     assert_eq!(
-        p.on_alloc("x", &[1, 2], 0, 16),
+        p.on_alloc("x", &[[1, 2]], 0, 16),
         Err(PlanError::UnknownRequest("x".into()))
     );
     assert!(!p.has_work_in_flight());
@@ -231,7 +232,10 @@ fn with_scheduled(mut s: Sched<'_>, tokens: usize) -> Sched<'_> {
 
 #[test]
 fn after_forward_stores_take_the_blocks_a_step_fills_first_step_included() {
-    let mut p = Planner::new(PlannerConfig::new(BS as u32, 16).with_stores_after_forward(true));
+    let mut p = Planner::new(
+        PlannerConfig::new(BS as u32, 16).with_stores_after_forward(true),
+        &[GroupKind::FullAttention],
+    );
     let h = hashes(1, 3);
     // The prompt's 40 tokens are computed by this step's forward: 2 full blocks.
     let store = step(
@@ -293,7 +297,7 @@ fn loads_retire_only_after_every_rank() {
     let h = hashes(1, 2);
     store_prompt(&mut p, "a", &h, 0);
     assert_eq!(p.lookup("b", &h, 33, 0), Ok(32));
-    p.on_alloc("b", &[5, 6, 7], 0, 32).unwrap();
+    p.on_alloc("b", &[[5, 6, 7]], 0, 32).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
     p.complete(load.id, true).unwrap();
     assert!(p.take_completions().finished_recving.is_empty());
@@ -353,7 +357,7 @@ fn a_request_id_reused_while_the_old_flush_runs_is_a_new_request() {
     p.complete(flush.id, true).unwrap();
     assert_eq!(p.take_completions().finished_sending, vec!["r".to_string()]);
     assert_eq!(pinned(&p), 2);
-    p.on_alloc("r", &[20, 21, 22], 0, 32).unwrap();
+    p.on_alloc("r", &[[20, 21, 22]], 0, 32).unwrap();
     let load = step(&mut p, [new_req("r", 0, &[20, 21, 22], &shared)])
         .loads
         .remove(0);
@@ -370,7 +374,7 @@ fn request_aborted_while_loading_is_reported_by_recving_only() {
     let h = hashes(1, 2);
     store_prompt(&mut p, "a", &h, 0);
     assert_eq!(p.lookup("b", &h, 33, 0), Ok(32));
-    p.on_alloc("b", &[5, 6, 7], 0, 32).unwrap();
+    p.on_alloc("b", &[[5, 6, 7]], 0, 32).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
     // The server delays the free of a loading request itself.
     assert!(!p.request_finished("b", &h, 0).unwrap());
@@ -388,11 +392,14 @@ fn request_aborted_while_loading_is_reported_by_recving_only() {
 
 #[test]
 fn sync_loads_are_not_reported_as_received() {
-    let mut p = Planner::new(PlannerConfig::new(BS as u32, 16).with_sync_loads(true));
+    let mut p = Planner::new(
+        PlannerConfig::new(BS as u32, 16).with_sync_loads(true),
+        &[GroupKind::FullAttention],
+    );
     let h = hashes(1, 2);
     store_prompt(&mut p, "a", &h, 0);
     assert_eq!(p.lookup("b", &h, 33, 0), Ok(32));
-    p.on_alloc("b", &[5, 6, 7], 0, 32).unwrap();
+    p.on_alloc("b", &[[5, 6, 7]], 0, 32).unwrap();
     let load = step(&mut p, [new_req("b", 32, &[5, 6, 7], &h)])
         .loads
         .remove(0);
@@ -441,7 +448,7 @@ fn load_accepted_across_a_reset_is_reported_failed() {
     store_prompt(&mut p, "a", &h, 0);
     assert_eq!(p.lookup("b", &h, 33, 0), Ok(32));
     p.reset();
-    p.on_alloc("b", &[5, 6, 7], 0, 32).unwrap();
+    p.on_alloc("b", &[[5, 6, 7]], 0, 32).unwrap();
     let load = idle_step(&mut p).loads.remove(0);
     assert!(!load.valid);
     assert_eq!(load.gpu_blocks, vec![5, 6]);
@@ -494,7 +501,7 @@ fn a_prefix_stored_in_free_order_is_hit_whole() {
     complete_on_every_rank(&mut p, store.id);
     assert_eq!(p.lookup("b", &h, 65, 0), Ok(64));
     let gpu = [7, 8, 9, 10, 11];
-    p.on_alloc("b", &gpu, 0, 64).unwrap();
+    p.on_alloc("b", &[&gpu], 0, 64).unwrap();
     let load = step(&mut p, [new_req("b", 0, &gpu, &h)]).loads.remove(0);
     assert_eq!(load.gpu_blocks, vec![7, 8, 9, 10]);
     assert_eq!(load.cpu_blocks, vec![3, 2, 1, 0]);
@@ -552,6 +559,7 @@ fn lazy_stores_copied_within_the_step_hold_no_block() {
         PlannerConfig::new(BS as u32, 4)
             .with_lazy(true)
             .with_stores_after_forward(true),
+        &[GroupKind::FullAttention],
     );
     // Freed between steps, the next step may allocate them, but its store is copied
     // before its forward pass, the first that may write them: selected, never held.

@@ -12,6 +12,7 @@ mod common;
 
 use common::planner::{chained, BS};
 use common::rng::Rng;
+use offload_core::GroupKind;
 use offload_core::{
     BlockHash, Planner, PlannerConfig, ScheduleKind, ScheduledRequest, StepPlan, TransferId,
 };
@@ -35,7 +36,10 @@ fn planners(after_forward: bool) -> (Planner, Planner) {
             .with_world_size(1)
             .with_stores_after_forward(after_forward)
     };
-    (Planner::new(cfg()), Planner::new(cfg()))
+    (
+        Planner::new(cfg(), &[GroupKind::FullAttention]),
+        Planner::new(cfg(), &[GroupKind::FullAttention]),
+    )
 }
 
 /// Plays `steps` steps of a seeded trace; returns how many running requests the
@@ -203,7 +207,10 @@ fn leaving_out_running_requests_below_their_due_plans_the_same() {
 
 #[test]
 fn lazy_and_unknown_requests_have_no_due() {
-    let mut lazy = Planner::new(PlannerConfig::new(BS as u32, 8).with_lazy(true));
+    let mut lazy = Planner::new(
+        PlannerConfig::new(BS as u32, 8).with_lazy(true),
+        &[GroupKind::FullAttention],
+    );
     let h = chained(None, 0..4);
     let req = ScheduledRequest {
         req_id: "a",
@@ -215,7 +222,10 @@ fn lazy_and_unknown_requests_have_no_due() {
     };
     lazy.schedule([req.clone()], []).unwrap();
     assert_eq!(lazy.store_due("a"), None);
-    let mut eager = Planner::new(PlannerConfig::new(BS as u32, 8));
+    let mut eager = Planner::new(
+        PlannerConfig::new(BS as u32, 8),
+        &[GroupKind::FullAttention],
+    );
     eager.schedule([req], []).unwrap();
     assert_eq!(eager.store_due("a"), Some(BS));
     assert_eq!(eager.store_due("b"), None);

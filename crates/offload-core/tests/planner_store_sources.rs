@@ -7,6 +7,7 @@
 mod common;
 
 use common::planner::{complete_on_every_rank, hashes, new_req, planner, running, step};
+use offload_core::GroupKind;
 use offload_core::{Planner, PlannerConfig};
 
 #[test]
@@ -106,7 +107,7 @@ fn retired_stores_are_reported_once_every_rank_reported_ok_or_not() {
 
 #[test]
 fn without_events_nothing_is_reported() {
-    let mut p = Planner::new(PlannerConfig::new(16, 16));
+    let mut p = Planner::new(PlannerConfig::new(16, 16), &[GroupKind::FullAttention]);
     let h = hashes(1, 2);
     step(&mut p, [new_req("a", 0, &[0, 1, 2], &h)]);
     let store = step(&mut p, [running("a", 32, &[], &h)]).store.unwrap();

@@ -21,6 +21,7 @@ use offload_core::transfer::{
     Completion, Direction, FaultInjector, FaultPlan, HostCopyBackend, RegionSpec, TransferEngine,
     TransferJob,
 };
+use offload_core::GroupKind;
 use offload_core::{BlockHash, Planner, PlannerConfig, ScheduleKind, ScheduledRequest, StepPlan};
 
 use common::rng::Rng;
@@ -140,7 +141,10 @@ impl Harness {
             TransferEngine::with_backend(gpu_mem.regions(), CPU_BLOCKS, config(), device).unwrap();
         Self {
             rng: Rng::new(seed),
-            planner: Planner::new(PlannerConfig::new(BS as u32, CPU_BLOCKS)),
+            planner: Planner::new(
+                PlannerConfig::new(BS as u32, CPU_BLOCKS),
+                &[GroupKind::FullAttention],
+            ),
             engine,
             gpu_mem,
             gpu_free: (0..GPU_BLOCKS).collect(),
@@ -240,7 +244,7 @@ impl Harness {
             .map(|_| self.gpu_free.pop_first().unwrap())
             .collect();
         let accept = (hit / BS) * self.rng.below(5) as usize / 4;
-        self.planner.on_alloc(id, &gpu, 0, accept * BS).unwrap();
+        self.planner.on_alloc(id, &[&gpu], 0, accept * BS).unwrap();
         let r = self.reqs.get_mut(id).unwrap();
         r.gpu = gpu;
         r.scheduled_before = false;

@@ -15,7 +15,9 @@ use offload_core::tier::{
     WorkerTier,
 };
 use offload_core::transfer::{Direction, RegionSpec, TransferConfig, TransferEngine, TransferJob};
-use offload_core::{BlockHash, KvEvent, LookupOutcome, Planner, PlannerConfig};
+use offload_core::{
+    BlockHash, BlockKey, GroupKind, KvEvent, LookupOutcome, Planner, PlannerConfig,
+};
 
 const BS: u32 = 16;
 const FP: LayoutFingerprint = LayoutFingerprint(0x5eed);
@@ -34,7 +36,10 @@ fn tier(store: &MemoryStore, stats: &Arc<TierStats>) -> RemoteTier {
 }
 
 fn planner(store: &MemoryStore, cpu_blocks: u32) -> Planner {
-    let mut p = Planner::new(PlannerConfig::new(BS, cpu_blocks).with_events(true));
+    let mut p = Planner::new(
+        PlannerConfig::new(BS, cpu_blocks).with_events(true),
+        &[GroupKind::FullAttention],
+    );
     let stats = Arc::new(TierStats::default());
     p.attach_remote(ProbeQueue::spawn(tier(store, &stats)).unwrap(), stats);
     p
@@ -100,7 +105,7 @@ fn fetched_blocks_are_announced_like_stored_ones() {
 
 #[test]
 fn without_a_remote_tier_the_lookup_is_the_local_one() {
-    let mut p = Planner::new(PlannerConfig::new(BS, 8));
+    let mut p = Planner::new(PlannerConfig::new(BS, 8), &[GroupKind::FullAttention]);
     let h = chain(4);
     assert!(!p.has_remote());
     assert_eq!(
@@ -145,8 +150,8 @@ fn a_remote_prefix_is_pending_then_fetched_then_a_hit() {
     let (s, _) = p.remote_stats().unwrap();
     assert_eq!((s.fetched_blocks, s.remote_hit_tokens), (3, 48));
     // The fetched blocks load like any local hit.
-    p.on_alloc("a", &[10, 11, 12, 13, 14, 15], 0, 48).unwrap();
-    let plan = p.schedule::<Vec<BlockHash>>([], []).unwrap();
+    p.on_alloc("a", &[[10, 11, 12, 13, 14, 15]], 0, 48).unwrap();
+    let plan = p.schedule::<Vec<BlockHash>, Vec<u32>>([], []).unwrap();
     assert_eq!(plan.loads[0].cpu_blocks, jobs[0].cpu_blocks);
     // Another request finds them locally: no second fetch.
     assert_eq!(
@@ -340,8 +345,8 @@ fn a_failed_load_of_fetched_blocks_is_recomputed_not_fetched_again() {
         p.lookup_tiered("a", &h, 81, 0).unwrap(),
         LookupOutcome::Hit { tokens: 48, .. }
     ));
-    p.on_alloc("a", &[10, 11, 12, 13, 14, 15], 0, 48).unwrap();
-    let plan = p.schedule::<Vec<BlockHash>>([], []).unwrap();
+    p.on_alloc("a", &[[10, 11, 12, 13, 14, 15]], 0, 48).unwrap();
+    let plan = p.schedule::<Vec<BlockHash>, Vec<u32>>([], []).unwrap();
     p.complete(plan.loads[0].id, false).unwrap();
     // vLLM asks again for a request whose async load failed: the failed blocks left the
     // CPU tier, and the answer is to recompute, not another round of the same fetch.
@@ -358,4 +363,78 @@ fn a_failed_load_of_fetched_blocks_is_recomputed_not_fetched_again() {
     assert_eq!(p.remote_stats().unwrap().1.probe_round_trips, probes);
     assert_eq!(p.remote_stats().unwrap().0.fetches, 1);
     assert!(p.take_fetches().is_empty());
+}
+
+/// A planner of a full-attention group and a 2-block sliding window, with a remote tier.
+fn hybrid_planner(store: &MemoryStore) -> Planner {
+    let kinds = [
+        GroupKind::FullAttention,
+        GroupKind::SlidingWindow { window: 2 * BS },
+    ];
+    let mut p = Planner::new(PlannerConfig::new(BS, 16).with_events(true), &kinds);
+    let stats = Arc::new(TierStats::default());
+    p.attach_remote(ProbeQueue::spawn(tier(store, &stats)).unwrap(), stats);
+    p
+}
+
+#[test]
+fn a_hybrid_models_remote_hit_is_what_every_group_can_serve() {
+    let store = MemoryStore::default();
+    let h = chain(5);
+    // Another engine stored every full-attention block and the sliding blocks of the
+    // prompt's last window (blocks 3 and 4 for a hit ending at block 5).
+    write_remote(&store, &h, 8);
+    let window: Vec<BlockHash> = h[3..]
+        .iter()
+        .map(|x| BlockKey::new(1, *x).remote_hash())
+        .collect();
+    write_remote(&store, &window, 8);
+    let mut p = hybrid_planner(&store);
+    assert_eq!(settle(&mut p, "a", &h, 81), LookupOutcome::Pending);
+    let job = p.take_fetches().remove(0);
+    let wanted = vec![(0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (0, 4), (1, 4)];
+    assert_eq!(
+        job.blocks, wanted,
+        "each group's blocks, position by position"
+    );
+    assert!(p.complete_fetch(job.id, job.cpu_blocks.len()).unwrap());
+    let hit = LookupOutcome::Hit {
+        tokens: 80,
+        remote_tokens: 80,
+    };
+    assert_eq!(p.lookup_tiered("a", &h, 81, 0).unwrap(), hit);
+    // Fetched chains are announced per group.
+    let stored: Vec<(u32, usize)> = p
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::Stored { group, hashes, .. } => Some((group, hashes.len())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored.iter().map(|(_, n)| n).sum::<usize>(), 7);
+    // The load fills every full-attention block and the window's sliding blocks.
+    let tables = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]];
+    p.on_alloc("a", &tables, 0, 80).unwrap();
+    let plan = p.schedule::<Vec<BlockHash>, Vec<u32>>([], []).unwrap();
+    assert_eq!(plan.loads[0].gpu_blocks, vec![10, 11, 12, 13, 14, 23, 24]);
+}
+
+#[test]
+fn a_hybrid_remote_prefix_without_its_window_is_no_hit() {
+    let store = MemoryStore::default();
+    let h = chain(5);
+    // Only the full-attention blocks: no hit ending anywhere has its sliding window.
+    write_remote(&store, &h, 8);
+    let mut p = hybrid_planner(&store);
+    assert_eq!(settle(&mut p, "a", &h, 81), LookupOutcome::Pending);
+    let job = p.take_fetches().remove(0);
+    assert!(p.complete_fetch(job.id, job.cpu_blocks.len()).unwrap());
+    assert_eq!(
+        p.lookup_tiered("a", &h, 81, 0).unwrap(),
+        LookupOutcome::Hit {
+            tokens: 0,
+            remote_tokens: 0
+        }
+    );
 }

@@ -2,10 +2,10 @@
 
 use std::cell::OnceCell;
 
-use offload_core::{BlockHash, ConfigValue, HashError, HashSource};
+use offload_core::{BlockHash, ConfigValue, GroupKind, HashError, HashSource, KvEvent};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyMapping, PyString};
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
 
 use crate::errors::INVALID_INPUT_ERROR;
 
@@ -25,6 +25,15 @@ pub(crate) fn config_value(v: &Bound<'_, PyAny>) -> ConfigValue {
             .map_or_else(|_| ConfigValue::Other("float".into()), ConfigValue::Float)
     } else if let Ok(s) = v.cast::<PyString>() {
         ConfigValue::Str(s.to_string())
+    } else if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        match v.try_iter() {
+            Ok(items) => ConfigValue::List(
+                items
+                    .map(|item| item.map_or(ConfigValue::Null, |i| config_value(&i)))
+                    .collect(),
+            ),
+            Err(_) => ConfigValue::Other("list".into()),
+        }
     } else {
         let name = v
             .get_type()
@@ -214,4 +223,63 @@ pub(crate) fn type_name(v: &Bound<'_, PyAny>) -> String {
     v.get_type()
         .name()
         .map_or_else(|_| "unknown".to_string(), |n| n.to_string())
+}
+
+/// Block ids as little-endian `u32` bytes.
+pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
+    let mut buf = Vec::with_capacity(ids.len() * 4);
+    for id in ids {
+        buf.extend_from_slice(&id.to_le_bytes());
+    }
+    PyBytes::new(py, &buf)
+}
+
+/// A 16-byte hash as Python `bytes`.
+fn hash_bytes<'py>(py: Python<'py>, h: BlockHash) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &h.0.to_le_bytes())
+}
+
+/// A KV event as a tuple: `("stored", group, [hash], parent | None, block_size)`,
+/// `("removed", group, [hash])`, `("cleared",)`.
+pub(crate) fn event_tuple(py: Python<'_>, e: KvEvent) -> PyResult<Bound<'_, PyTuple>> {
+    match e {
+        KvEvent::Stored {
+            group,
+            hashes,
+            parent,
+            block_size,
+        } => {
+            let hs: Vec<_> = hashes.into_iter().map(|h| hash_bytes(py, h)).collect();
+            let parent = parent.map(|h| hash_bytes(py, h));
+            ("stored", group, hs, parent, block_size).into_pyobject(py)
+        }
+        KvEvent::Removed { group, hashes } => {
+            let hs: Vec<_> = hashes.into_iter().map(|h| hash_bytes(py, h)).collect();
+            ("removed", group, hs).into_pyobject(py)
+        }
+        KvEvent::AllCleared => ("cleared",).into_pyobject(py),
+    }
+}
+
+/// KV-cache group `index`'s kind from vLLM's spec kind name and its sliding window (its
+/// `sliding_window` plus `extra_retained_tokens`).
+pub(crate) fn group_kind(index: usize, kind: &str, window: Option<i64>) -> PyResult<GroupKind> {
+    match (kind, window) {
+        ("full_attention" | "mla_attention", _) => Ok(GroupKind::FullAttention),
+        ("mamba", _) => Ok(GroupKind::Mamba),
+        ("sliding_window", Some(w)) => u32::try_from(w)
+            .ok()
+            .filter(|w| *w > 0)
+            .map(|window| GroupKind::SlidingWindow { window })
+            .ok_or_else(|| {
+                INVALID_INPUT_ERROR.err(format!(
+                    "Planner: group {index}: invalid sliding window {w}"
+                ))
+            }),
+        _ => Err(INVALID_INPUT_ERROR.err(format!(
+            "Planner: group {index}: KV-cache group kind {kind:?} (window {window:?}) cannot \
+             be planned; kinds: full_attention, mla_attention, sliding_window with a window, \
+             mamba"
+        ))),
+    }
 }

@@ -1,16 +1,16 @@
 //! `kvoffload._native`: thin PyO3 bindings over `offload-core`.
 //!
-//! Only type conversion and error mapping live here; every decision is in the core.
+//! Type conversion and error mapping; every decision is in the core. What reads vLLM's
+//! own structures (its scheduler output, free queue, running requests) is in [`vllm`].
 
 mod config;
 mod convert;
 mod errors;
-mod free_queue;
 mod planner;
-mod running;
-mod step;
+mod stats_report;
 mod tier;
 mod transfer;
+mod vllm;
 
 use pyo3::prelude::*;
 

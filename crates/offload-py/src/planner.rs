@@ -4,29 +4,33 @@
 use std::sync::Arc;
 
 use offload_core::tier::{ProbeQueue, TierStats};
-use offload_core::{
-    BlockHash, GroupKind, KvEvent, LookupOutcome, Planner, PlannerConfig, PlannerStats,
-    ScheduleKind, ScheduledRequest, StepPlan,
-};
-use pyo3::intern;
+use offload_core::{BlockHash, LookupOutcome, Planner, PlannerConfig, ScheduledRequest};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict, PyList, PyMapping, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyMapping, PyTuple};
 
 use crate::config::PyOffloadConfig;
-use crate::convert::{block_id, block_ids, count, PyHashes};
+use crate::convert::{block_ids, count, event_tuple, group_kind, ids_to_bytes, PyHashes};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
-use crate::free_queue::{self, Walk};
-use crate::running::RunningWatch;
-use crate::step::{
-    all_group_ids, group0_ids, lazy_candidates, req_id, same_len, scheduled_requests, step_lists,
-    step_or_none, step_to_py, StepTuple,
-};
-use crate::tier::{check_lower, connect, hashes_to_bytes, kv_layout, tier_counters, Side};
+use crate::stats_report::{all_counters, Report, StatsReport};
+use crate::tier::{check_lower, connect, hashes_to_bytes, kv_layout, Side};
 use crate::transfer::ids_from_bytes;
+use crate::vllm::blocks::allocated_windows;
+use crate::vllm::free_queue::{self, Walk};
+use crate::vllm::running::RunningWatch;
+use crate::vllm::schedule::plan_requests;
+use crate::vllm::step::{
+    all_group_ids, lazy_candidates, step_lists, step_or_none, step_to_py, StepLists, StepTuple,
+};
 
-/// `(id, req_id, hashes, cpu_blocks)`: 16-byte hashes, little-endian u32 block ids.
-type FetchTuple<'py> = (u64, String, Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize);
+/// `(id, req_id, keys, cpu_blocks, blocks)`: 16-byte remote keys, little-endian u32 block
+/// ids, and each block's `(group, position)` in its request.
+type FetchTuple<'py> = (
+    u64,
+    String,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Vec<(u32, usize)>,
+);
 /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
 /// retired_stores)`.
 type CompleteTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u64>);
@@ -36,27 +40,10 @@ type CompleteTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u64>);
 #[derive(Debug)]
 pub(crate) struct PyPlanner {
     inner: Planner,
-    /// The counters as of the last `take_stats_delta`.
-    reported: PlannerStats,
-    /// The remote tier's counters at the previous `take_stats_delta`, in
-    /// `remote_counters` order.
-    reported_remote: Vec<u64>,
-    /// `(cpu_blocks_used, cpu_blocks_capacity)` at the previous `take_stats_report`.
-    reported_gauges: Option<(usize, usize)>,
+    /// What `take_stats_report` last reported.
+    report: StatsReport,
     /// The previous step's running requests, which a step may leave out of the core.
     running: RunningWatch,
-}
-
-pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
-    let mut buf = Vec::with_capacity(ids.len() * 4);
-    for id in ids {
-        buf.extend_from_slice(&id.to_le_bytes());
-    }
-    PyBytes::new(py, &buf)
-}
-
-fn hash_bytes<'py>(py: Python<'py>, h: BlockHash) -> Bound<'py, PyBytes> {
-    PyBytes::new(py, &h.0.to_le_bytes())
 }
 
 #[pymethods]
@@ -99,10 +86,8 @@ impl PyPlanner {
             .map(|(i, (kind, window))| group_kind(i, &kind, window))
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Self {
-            inner: Planner::with_groups(cfg, &kinds),
-            reported: PlannerStats::default(),
-            reported_remote: Vec::new(),
-            reported_gauges: None,
+            inner: Planner::new(cfg, &kinds),
+            report: StatsReport::default(),
             running: RunningWatch::default(),
         })
     }
@@ -156,8 +141,8 @@ impl PyPlanner {
     }
 
     /// Fetches planned since the last call, for the workers:
-    /// `(transfer_id, req_id, hashes, cpu_blocks, first_block)` (16-byte hashes,
-    /// little-endian u32 ids; `first_block`: the first hash's position in the request).
+    /// `(transfer_id, req_id, keys, cpu_blocks, blocks)` (16-byte remote keys,
+    /// little-endian u32 ids; `blocks`: each block's `(group, position)` in the request).
     fn take_fetches<'py>(&mut self, py: Python<'py>) -> Vec<FetchTuple<'py>> {
         self.inner
             .take_fetches()
@@ -168,7 +153,7 @@ impl PyPlanner {
                     f.req_id,
                     hashes_to_bytes(py, f.hashes),
                     ids_to_bytes(py, &f.cpu_blocks),
-                    f.first_block,
+                    f.blocks,
                 )
             })
             .collect()
@@ -213,8 +198,8 @@ impl PyPlanner {
         self.inner.has_remote()
     }
 
-    /// The scheduler allocated `gpu_block_ids` (a list of group 0's ids, or a tuple of
-    /// one list per KV-cache group) and accepted `num_external_tokens`.
+    /// The scheduler allocated `gpu_block_ids` (a tuple of one list per KV-cache group,
+    /// or the list of a model with one group) and accepted `num_external_tokens`.
     fn on_alloc(
         &mut self,
         req_id: &str,
@@ -224,24 +209,20 @@ impl PyPlanner {
     ) -> PyResult<()> {
         let nct = count(num_computed_tokens, "num_computed_tokens")?;
         let ext = count(num_external_tokens, "num_external_tokens")?;
-        if gpu_block_ids.is_instance_of::<PyTuple>()
-            || self.inner.groups() != [GroupKind::FullAttention]
-        {
-            let per_group = all_group_ids(gpu_block_ids)?;
-            return self
-                .inner
-                .on_alloc_groups(req_id, &per_group, nct, ext)
-                .map_err(plan_err);
-        }
-        let ids = block_ids(gpu_block_ids, "gpu_block_ids")?;
+        let tables = if gpu_block_ids.is_none() || gpu_block_ids.is_instance_of::<PyTuple>() {
+            all_group_ids(gpu_block_ids)?
+        } else {
+            vec![block_ids(gpu_block_ids, "gpu_block_ids")?]
+        };
         self.inner
-            .on_alloc(req_id, &ids, nct, ext)
+            .on_alloc(req_id, &tables, nct, ext)
             .map_err(plan_err)
     }
 
-    /// `on_alloc` for a planner of one full-attention group, given vLLM's allocated
-    /// blocks of group 0 (a sequence of objects with a `block_id`): only the blocks the load
-    /// fills are read, not the whole table (a long prompt's GPU hit included).
+    /// `on_alloc` given vLLM's allocated blocks (`KVCacheBlocks.blocks`: a tuple of one
+    /// sequence of objects with a `block_id` per KV-cache group, or the sequence of a
+    /// model with one group): only the blocks the load fills are read, not the whole
+    /// tables (a long prompt's GPU hit included).
     fn on_alloc_blocks(
         &mut self,
         req_id: &str,
@@ -251,27 +232,15 @@ impl PyPlanner {
     ) -> PyResult<()> {
         let nct = count(num_computed_tokens, "num_computed_tokens")?;
         let ext = count(num_external_tokens, "num_external_tokens")?;
-        let window = self.inner.alloc_window(req_id, nct, ext).ok_or_else(|| {
-            INVALID_INPUT_ERROR.err(
-                "on_alloc_blocks: this planner has KV-cache groups; pass every group's block \
-                 ids to on_alloc",
-            )
-        })?;
-        let end = window.end.min(blocks.len()?);
-        let name = intern!(blocks.py(), "block_id");
-        // A long prompt's hit is a hundred blocks or more: one allocation, and vLLM's
-        // list indexed directly.
-        let mut ids = Vec::with_capacity(end.saturating_sub(window.start));
-        let list = blocks.cast::<PyList>().ok();
-        for i in window.start..end {
-            let block = match list {
-                Some(list) => list.get_item(i)?,
-                None => blocks.get_item(i)?,
-            };
-            ids.push(block_id(&block.getattr(name)?, "blocks")?);
-        }
+        let window = self.inner.alloc_window(req_id, nct, ext);
+        // Nothing accepted: the tables are not read.
+        let windows = if ext == 0 {
+            Vec::new()
+        } else {
+            allocated_windows(blocks, window.clone())?
+        };
         self.inner
-            .on_alloc_window(req_id, &ids, ext)
+            .on_alloc_window(req_id, window.start, &windows, ext)
             .map_err(plan_err)
     }
 
@@ -305,20 +274,18 @@ impl PyPlanner {
         strip: usize,
         num_scheduled_tokens: Option<&Bound<'py, PyMapping>>,
     ) -> PyResult<StepTuple<'py>> {
-        let plan = self.plan_requests(
-            new_req_ids,
-            new_num_computed,
-            new_block_ids,
-            cached_req_ids,
-            cached_num_computed,
-            cached_new_block_ids,
-            resumed_req_ids,
-            hash_lists,
-            lazy_gpu_block_ids,
-            lazy_block_hashes,
-            strip,
-            num_scheduled_tokens,
-        )?;
+        let lists = StepLists {
+            new_req_ids: new_req_ids.clone(),
+            new_num_computed: new_num_computed.clone(),
+            new_block_ids: new_block_ids.clone(),
+            cached_req_ids: cached_req_ids.clone(),
+            cached_num_computed: cached_num_computed.clone(),
+            cached_new_block_ids: cached_new_block_ids.clone(),
+            resumed_req_ids: resumed_req_ids.clone(),
+            num_scheduled_tokens: num_scheduled_tokens.map(|m| m.clone().into_any()),
+        };
+        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
+        let plan = plan_requests(&mut self.inner, &mut self.running, &lists, hash_lists, lazy)?;
         Ok(step_to_py(py, plan))
     }
 
@@ -341,31 +308,14 @@ impl PyPlanner {
         strip: usize,
         after_forward: bool,
     ) -> PyResult<Option<StepTuple<'py>>> {
-        let l = step_lists(scheduler_output, after_forward)?;
-        let num_scheduled_tokens = l
-            .num_scheduled_tokens
-            .as_ref()
-            .map(|m| m.cast::<PyMapping>())
-            .transpose()?;
-        let plan = self.plan_requests(
-            &l.new_req_ids,
-            &l.new_num_computed,
-            &l.new_block_ids,
-            &l.cached_req_ids,
-            &l.cached_num_computed,
-            &l.cached_new_block_ids,
-            &l.resumed_req_ids,
-            hash_lists,
-            lazy_gpu_block_ids,
-            lazy_block_hashes,
-            strip,
-            num_scheduled_tokens,
-        )?;
+        let lists = step_lists(scheduler_output, after_forward)?;
+        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
+        let plan = plan_requests(&mut self.inner, &mut self.running, &lists, hash_lists, lazy)?;
         Ok(step_or_none(py, plan))
     }
 
     /// [`schedule`](Self::schedule) for a planner that does not read the scheduled
-    /// requests (`reads_scheduled_requests` is false: lazy, one KV-cache group): only the
+    /// requests (`reads_scheduled_requests` is false: lazy mode): only the
     /// step's lazy candidates cross, not eight empty request arguments every step.
     #[pyo3(signature = (lazy_gpu_block_ids = None, lazy_block_hashes = None, strip = 0))]
     fn schedule_lazy<'py>(
@@ -377,12 +327,12 @@ impl PyPlanner {
     ) -> PyResult<Option<StepTuple<'py>>> {
         if self.inner.reads_scheduled_requests() {
             return Err(INVALID_INPUT_ERROR.err(
-                "schedule_lazy: this planner reads the scheduled requests (eager mode, or \
-                 several KV-cache groups); call schedule or schedule_output",
+                "schedule_lazy: this planner reads the scheduled requests (eager mode); call \
+                 schedule or schedule_output",
             ));
         }
         let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
-        let none = std::iter::empty::<ScheduledRequest<'_, PyHashes<'py>>>();
+        let none = std::iter::empty::<ScheduledRequest<'_, PyHashes<'py>, Vec<Vec<u32>>>>();
         let plan = self.inner.schedule(none, lazy).map_err(plan_err)?;
         Ok(step_or_none(py, plan))
     }
@@ -433,23 +383,7 @@ impl PyPlanner {
         self.inner
             .take_events()
             .into_iter()
-            .map(|e| match e {
-                KvEvent::Stored {
-                    group,
-                    hashes,
-                    parent,
-                    block_size,
-                } => {
-                    let hs: Vec<_> = hashes.into_iter().map(|h| hash_bytes(py, h)).collect();
-                    let parent = parent.map(|h| hash_bytes(py, h));
-                    ("stored", group, hs, parent, block_size).into_pyobject(py)
-                }
-                KvEvent::Removed { group, hashes } => {
-                    let hs: Vec<_> = hashes.into_iter().map(|h| hash_bytes(py, h)).collect();
-                    ("removed", group, hs).into_pyobject(py)
-                }
-                KvEvent::AllCleared => ("cleared",).into_pyobject(py),
-            })
+            .map(|e| event_tuple(py, e))
             .collect()
     }
 
@@ -523,268 +457,14 @@ impl PyPlanner {
 
     /// Counters since construction, by name.
     fn stats(&self) -> Vec<(&'static str, u64)> {
-        let mut out = counters(&self.inner.stats()).to_vec();
-        out.extend(self.remote_counters());
-        out
+        all_counters(&self.inner)
     }
 
     /// What changed since the previous call, as vLLM's stats payload parts: the counters
     /// that grew (`{name: increase}`) and the gauges whose value changed
     /// (`cpu_blocks_used`: cached or being written; `cpu_blocks_capacity`); `None` when
-    /// nothing did. vLLM asks after every step: comparing here keeps that call from
-    /// building and diffing every counter in Python.
-    fn take_stats_report<'py>(
-        &mut self,
-        py: Python<'py>,
-    ) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
-        let now = self.inner.stats();
-        let cache = self.inner.cache();
-        let used = cache.capacity() as usize - cache.pool().num_free();
-        let capacity = cache.capacity() as usize;
-        let remote = self.remote_counters();
-        let unchanged = now == self.reported
-            && self.reported_gauges == Some((used, capacity))
-            && remote.len() == self.reported_remote.len()
-            && remote
-                .iter()
-                .zip(&self.reported_remote)
-                .all(|((_, v), was)| v == was);
-        if unchanged {
-            return Ok(None);
-        }
-        // Built every step: the names are made once, not per report.
-        static NAMES: PyOnceLock<Vec<Py<PyString>>> = PyOnceLock::new();
-        let names = NAMES.get_or_init(py, || {
-            counters(&PlannerStats::default())
-                .iter()
-                .map(|(name, _)| PyString::intern(py, name).unbind())
-                .collect()
-        });
-        let deltas = PyDict::new(py);
-        let pairs = counters(&now).into_iter().zip(counters(&self.reported));
-        for (name, ((_, v), (_, was))) in names.iter().zip(pairs) {
-            if v != was {
-                deltas.set_item(name.bind(py), v.saturating_sub(was))?;
-            }
-        }
-        self.reported = now;
-        if self.reported_remote.len() != remote.len() {
-            self.reported_remote = vec![0; remote.len()];
-        }
-        for ((name, v), was) in remote.into_iter().zip(&mut self.reported_remote) {
-            if v != *was {
-                deltas.set_item(name, v.saturating_sub(*was))?;
-                *was = v;
-            }
-        }
-        let gauges = PyDict::new(py);
-        let (was_used, was_capacity) = self.reported_gauges.unzip();
-        if was_used != Some(used) {
-            gauges.set_item(intern!(py, "cpu_blocks_used"), used)?;
-        }
-        if was_capacity != Some(capacity) {
-            gauges.set_item(intern!(py, "cpu_blocks_capacity"), capacity)?;
-        }
-        self.reported_gauges = Some((used, capacity));
-        Ok(Some((deltas, gauges)))
-    }
-}
-
-impl PyPlanner {
-    /// [`schedule`](Self::schedule)'s plan, before it is converted for Python.
-    #[allow(clippy::too_many_arguments)]
-    fn plan_requests<'py>(
-        &mut self,
-        new_req_ids: &Bound<'py, PyList>,
-        new_num_computed: &Bound<'py, PyList>,
-        new_block_ids: &Bound<'py, PyList>,
-        cached_req_ids: &Bound<'py, PyList>,
-        cached_num_computed: &Bound<'py, PyList>,
-        cached_new_block_ids: &Bound<'py, PyList>,
-        resumed_req_ids: &Bound<'py, PyAny>,
-        hash_lists: &Bound<'py, PyMapping>,
-        lazy_gpu_block_ids: Option<&Bound<'py, PyList>>,
-        lazy_block_hashes: Option<&Bound<'py, PyList>>,
-        strip: usize,
-        num_scheduled_tokens: Option<&Bound<'py, PyMapping>>,
-    ) -> PyResult<StepPlan> {
-        same_len(
-            "new request lists",
-            &[
-                new_req_ids.len(),
-                new_num_computed.len(),
-                new_block_ids.len(),
-            ],
-        )?;
-        same_len(
-            "cached request lists",
-            &[
-                cached_req_ids.len(),
-                cached_num_computed.len(),
-                cached_new_block_ids.len(),
-            ],
-        )?;
-        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
-        // Request ids are borrowed from the Python strings (kept alive in `names`): no
-        // allocation per request per step.
-        let n = new_req_ids.len() + cached_req_ids.len();
-        let mut names: Vec<Bound<'py, PyString>> = Vec::with_capacity(n);
-        // Group 0's table, or (multi-group planners) every group's; the other is empty.
-        type Tables = (Vec<u32>, Vec<Vec<u32>>);
-        let mut rows: Vec<(ScheduleKind, usize, usize, Tables)> = Vec::with_capacity(n);
-        let multi = self.inner.groups() != [GroupKind::FullAttention];
-        let tables = |v: &Bound<'py, PyAny>| -> PyResult<Tables> {
-            if multi {
-                Ok((Vec::new(), all_group_ids(v)?))
-            } else {
-                Ok((group0_ids(v)?, Vec::new()))
-            }
-        };
-        let scheduled_tokens = |name: &Bound<'py, PyString>| -> PyResult<usize> {
-            let Some(map) = num_scheduled_tokens else {
-                return Ok(0);
-            };
-            // vLLM's is a dict: its lookup skips the generic mapping protocol.
-            let n = match map.cast::<PyDict>() {
-                Ok(dict) => dict.get_item(name)?.ok_or_else(|| {
-                    INVALID_INPUT_ERROR.err(format!(
-                        "num_scheduled_tokens has no entry for request {name}"
-                    ))
-                })?,
-                Err(_) => map.get_item(name)?,
-            };
-            count(n.extract()?, "num_scheduled_tokens")
-        };
-        for i in 0..new_req_ids.len() {
-            let name = req_id(new_req_ids.get_item(i)?)?;
-            let nct = count(
-                new_num_computed.get_item(i)?.extract()?,
-                "num_computed_tokens",
-            )?;
-            let ids = tables(&new_block_ids.get_item(i)?)?;
-            rows.push((ScheduleKind::New, nct, scheduled_tokens(&name)?, ids));
-            names.push(name);
-        }
-        let any_resumed = resumed_req_ids.len().unwrap_or(0) > 0;
-        // Eager, one group: running requests that fill no block skip the core.
-        let watch = !multi && self.inner.reads_scheduled_requests();
-        if watch {
-            self.running.begin(n);
-        }
-        // (place in the watch, index in `names`) of requests passed to the core.
-        let mut passed: Vec<(usize, usize)> = Vec::new();
-        for i in 0..cached_req_ids.len() {
-            let name = req_id(cached_req_ids.get_item(i)?)?;
-            let nct = count(
-                cached_num_computed.get_item(i)?.extract()?,
-                "num_computed_tokens",
-            )?;
-            let table = cached_new_block_ids.get_item(i)?;
-            let kind = if any_resumed && resumed_req_ids.contains(&name)? {
-                ScheduleKind::Resumed
-            } else {
-                ScheduleKind::Running
-            };
-            let scheduled = scheduled_tokens(&name)?;
-            if watch {
-                if kind == ScheduleKind::Running
-                    && table.is_none()
-                    && self.running.skips(&name, nct + scheduled)
-                {
-                    continue;
-                }
-                passed.push((self.running.passed(&name), names.len()));
-            }
-            rows.push((kind, nct, scheduled, tables(&table)?));
-            names.push(name);
-        }
-        if watch {
-            // Next step, the requests admitted now run after the ones already running.
-            for (i, name) in names.iter().enumerate().take(new_req_ids.len()) {
-                passed.push((self.running.passed(name), i));
-            }
-        }
-        let mut ids: Vec<&str> = Vec::with_capacity(names.len());
-        for name in &names {
-            ids.push(name.to_str()?);
-        }
-        let plan = if multi {
-            let tables = rows.into_iter().map(|(k, c, n, (_, all))| (k, c, n, all));
-            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
-            self.inner.schedule_groups(scheduled, lazy)
-        } else {
-            let tables = rows.into_iter().map(|(k, c, n, (one, _))| (k, c, n, one));
-            let scheduled = scheduled_requests(tables, &ids, &names, hash_lists);
-            self.inner.schedule(scheduled, lazy)
-        };
-        if watch {
-            // Recorded even when the step failed: the core kept the other requests.
-            for (place, i) in passed {
-                if let Some(due) = self.inner.store_due(ids[i]) {
-                    self.running.set_due(place, due);
-                }
-            }
-            self.running.end();
-        }
-        plan.map_err(plan_err)
-    }
-
-    /// The remote tier's counters by name (scheduler side and its probes); none without one.
-    fn remote_counters(&self) -> Vec<(&'static str, u64)> {
-        let Some((r, t)) = self.inner.remote_stats() else {
-            return Vec::new();
-        };
-        let mut out = vec![
-            ("remote_pending_lookups", r.pending_lookups),
-            ("remote_fetches", r.fetches),
-            ("remote_fetch_blocks", r.fetch_blocks),
-            ("remote_fetched_blocks", r.fetched_blocks),
-            ("remote_failed_fetch_blocks", r.failed_fetch_blocks),
-            ("remote_hit_tokens", r.remote_hit_tokens),
-            ("remote_skipped_failed", r.skipped_failed),
-        ];
-        out.extend(tier_counters(&t));
-        out
-    }
-}
-
-/// The planner's counters by name, in one place for every reader.
-fn counters(s: &PlannerStats) -> [(&'static str, u64); 12] {
-    [
-        ("lookups", s.lookups),
-        ("cached_lookups", s.cached_lookups),
-        ("hit_tokens", s.hit_tokens),
-        ("load_blocks", s.load_blocks),
-        ("store_blocks", s.store_blocks),
-        ("stored_blocks", s.stored_blocks),
-        ("dedup_skipped", s.dedup_skipped),
-        ("no_space_skipped", s.no_space_skipped),
-        ("evicted_blocks", s.evicted_blocks),
-        ("failed_loads", s.failed_loads),
-        ("failed_stores", s.failed_stores),
-        ("rewritten_hash_lists", s.rewritten_hash_lists),
-    ]
-}
-
-/// KV-cache group `index`'s kind from vLLM's spec kind name and its sliding window (its
-/// `sliding_window` plus `extra_retained_tokens`).
-fn group_kind(index: usize, kind: &str, window: Option<i64>) -> PyResult<GroupKind> {
-    match (kind, window) {
-        ("full_attention" | "mla_attention", _) => Ok(GroupKind::FullAttention),
-        ("mamba", _) => Ok(GroupKind::Mamba),
-        ("sliding_window", Some(w)) => u32::try_from(w)
-            .ok()
-            .filter(|w| *w > 0)
-            .map(|window| GroupKind::SlidingWindow { window })
-            .ok_or_else(|| {
-                INVALID_INPUT_ERROR.err(format!(
-                    "Planner: group {index}: invalid sliding window {w}"
-                ))
-            }),
-        _ => Err(INVALID_INPUT_ERROR.err(format!(
-            "Planner: group {index}: KV-cache group kind {kind:?} (window {window:?}) cannot \
-             be planned; kinds: full_attention, mla_attention, sliding_window with a window, \
-             mamba"
-        ))),
+    /// nothing did.
+    fn take_stats_report<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Report<'py>>> {
+        self.report.take(py, &self.inner)
     }
 }

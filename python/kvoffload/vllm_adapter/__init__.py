@@ -33,7 +33,6 @@ from vllm.logger import init_logger
 from kvoffload.vllm_adapter.config import (
     BLOCK_OUTER_LAYOUT,
     FAULTS_ENV,
-    FULL_KINDS,
     OFFLOADABLE_KINDS,
     block_size,
     bytes_per_block,
@@ -68,7 +67,6 @@ from kvoffload.vllm_adapter.gpu_blocks import (
     GROUP_ID_BYTES,
     FreeQueueWalker,
     GpuBlockHolder,
-    allocated_block_ids_per_group,
     allocated_blocks,
     skips_prefix_cache,
 )
@@ -79,7 +77,6 @@ __all__ = [
     "BLOCK_OUTER_LAYOUT",
     "DISK_HIT_SOURCE",
     "FAULTS_ENV",
-    "FULL_KINDS",
     "GROUP_ID_BYTES",
     "HOST_HIT_SOURCE",
     "OFFLOADABLE_KINDS",
@@ -98,7 +95,6 @@ __all__ = [
     "Region",
     "SupportsHMA",
     "all_blocks_cleared",
-    "allocated_block_ids_per_group",
     "allocated_blocks",
     "block_removed",
     "block_size",

@@ -80,12 +80,17 @@ def _find_checkpoint(vllm_config: Any) -> str:
 
 
 def remote_layout(
-    vllm_config: Any, block_size: int, tp_rank: int, kv_cache_version: str | None = None
+    vllm_config: Any,
+    block_size: int,
+    tp_rank: int,
+    kinds: list[tuple[str, int | None]],
+    kv_cache_version: str | None = None,
 ) -> dict[str, Any]:
     """What decides the meaning of a block's bytes on this rank: the remote tier's keys
     (``offload_core::tier::KvLayout``), the weights included (their checkpoint's identity
     and the operator's ``kv_cache_version``). Scheduler and workers build it the same
-    way."""
+    way. ``kinds``: the KV-cache groups' ``(kind, window)`` (see ``kv_group_kinds``), part
+    of the model's identity: a group's blocks hold its layers only."""
     import os
 
     from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
@@ -101,8 +106,9 @@ def remote_layout(
     # vLLM derives NONE_HASH from PYTHONHASHSEED when set, else (cryptographic hashes) from
     # a fixed default; a random per-process seed is refused by `remote_unsupported`.
     seed = os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
+    groups = ",".join(kind if window is None else f"{kind}:{window}" for kind, window in kinds)
     return {
-        "model_id": str(model.model),
+        "model_id": f"{model.model} [{groups}]",
         "dtype": dtype,
         "block_size": int(block_size),
         "num_layers": int(model.get_num_layers(parallel)),
@@ -117,24 +123,16 @@ def remote_layout(
     }
 
 
-def remote_unsupported(
-    vllm_config: Any, kinds: list[tuple[str, int | None]], *, shared: bool = True
-) -> str | None:
-    """Why this engine cannot use a remote tier (with what to change), or ``None``.
-    ``kinds``: the KV-cache groups' ``(kind, window)`` (see ``kv_group_kinds``).
-    ``shared``: whether blocks outlive the engine or go to others (a remote store, a
-    persisted disk), so the block hashes must agree across processes."""
+def remote_unsupported(vllm_config: Any, *, shared: bool = True) -> str | None:
+    """Why this engine cannot use a tier below the CPU (with what to change), or ``None``.
+    Every model the planner plans can: a lower-tier hit is what every KV-cache group can
+    serve. ``shared``: whether blocks outlive the engine or go to others (a remote store,
+    a persisted disk), so the block hashes must agree across processes."""
     import os
 
     from kvoffload._native import remote_sharing_problem
 
     parallel = vllm_config.parallel_config
-    if len(kinds) != 1 or kinds[0][0] not in FULL_KINDS:
-        shown = ", ".join(kind for kind, _ in kinds)
-        return (
-            f"the model's KV-cache groups are [{shown}]; the remote tier takes one "
-            "full-attention group"
-        )
     if int(getattr(parallel, "pipeline_parallel_size", 1)) != 1:
         return "pipeline parallelism is not supported by the remote tier"
     if int(getattr(parallel, "decode_context_parallel_size", 1)) != 1:
@@ -179,9 +177,6 @@ def num_kv_groups(kv_cache_config: Any) -> int:
 #: (MLA included) keeps them all for the request's life; sliding window frees those before
 #: its window, which the planner neither stores nor loads.
 OFFLOADABLE_KINDS = frozenset({"full_attention", "mla_attention", "sliding_window", "mamba"})
-
-#: Kinds whose groups hold every block of a request: a hit needs all of them.
-FULL_KINDS = frozenset({"full_attention", "mla_attention"})
 
 
 def model_name(vllm_config: Any) -> str:

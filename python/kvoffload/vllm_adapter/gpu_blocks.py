@@ -13,16 +13,11 @@ if TYPE_CHECKING:
 GROUP_ID_BYTES = 4
 
 
-def allocated_blocks(blocks: Any) -> list[Any]:
-    """The ``KVCacheBlock`` list of a ``KVCacheBlocks`` (group 0), from token 0: the
-    planner reads the ``block_id`` of the few it loads into."""
-    return blocks.blocks[0]
-
-
-def allocated_block_ids_per_group(blocks: Any) -> tuple[list[int], ...]:
-    """GPU block ids of a ``KVCacheBlocks``, one list per KV-cache group, from token 0
-    (vLLM's null block where a sliding-window group holds none)."""
-    return tuple(blocks.get_block_ids())
+def allocated_blocks(blocks: Any) -> tuple[list[Any], ...]:
+    """The ``KVCacheBlock`` lists of a ``KVCacheBlocks``, one per KV-cache group, from
+    token 0 (vLLM's null block where a group holds none): the planner reads the
+    ``block_id`` of the few it loads into (vLLM's own tuple, not copied)."""
+    return blocks.blocks
 
 
 def counts_null_block_refs(gpu_block_pool: Any) -> bool:

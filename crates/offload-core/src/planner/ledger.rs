@@ -11,7 +11,7 @@ use crate::pool::BlockState;
 use super::request::{Report, Request};
 use super::select::{group_of, StoreEntry};
 use super::types::{StepPlan, StoreJob, TransferId};
-use super::{Planner, GROUP};
+use super::Planner;
 
 #[derive(Debug)]
 pub(super) enum JobKind {
@@ -113,7 +113,7 @@ impl Planner {
             } else {
                 Vec::new()
             },
-            groups: if self.groups.is_some() {
+            groups: if self.kinds.len() > 1 {
                 (0..pending.entries.len())
                     .map(|i| group_of(&pending.groups, i))
                     .collect()
@@ -236,7 +236,7 @@ impl Planner {
             }
             return;
         }
-        let mut chain = StoredChain::new(GROUP, self.cfg.block_size);
+        let mut chain = StoredChain::new(0, self.cfg.block_size);
         for (i, e) in entries.iter().enumerate() {
             let group = group_of(groups, i);
             if group != chain.group() {

@@ -23,7 +23,8 @@
 //! other content (vLLM's streaming sessions) never leads to a store or a hit under a key
 //! whose content changed.
 
-mod groups;
+mod alloc;
+mod kinds;
 mod ledger;
 mod lookup;
 mod remote;
@@ -42,30 +43,33 @@ use crate::key::BlockKey;
 
 use ledger::Ledger;
 use request::{Finishing, Report, Request};
-use select::{select_lazy, PendingStore};
-use step::Selector;
+use select::{select_eager, select_lazy, PendingStore};
 
-pub use groups::{GroupKind, ScheduledGroups};
+pub use kinds::GroupKind;
 pub use remote::{FetchJob, LookupOutcome, RemoteStats};
+pub use step::GroupTables;
 
 pub use types::{
     Completions, HashSource, LazyCandidate, LoadJob, PlannerConfig, ScheduleKind, ScheduledRequest,
     StepPlan, StoreJob, TransferId,
 };
 
-/// The KV-cache group of the single-group planner. vLLM puts every layer of a
-/// full-attention model into one group; models with several use [`Planner::with_groups`].
-const GROUP: u32 = 0;
+/// One scheduled request of a step with a block table per KV-cache group (see
+/// [`ScheduledRequest`] and [`GroupTables`]).
+pub type ScheduledGroups<'a, H> = ScheduledRequest<'a, H, Vec<Vec<u32>>>;
 
-/// The scheduler-side planner of one engine.
+/// The scheduler-side planner of one engine: one path for every model, a model being a
+/// list of KV-cache groups (a dense model is `[GroupKind::FullAttention]`).
 ///
 /// # Examples
 /// A request computes a 64-token prompt; eager mode stores its 4 blocks, and a second
 /// request with the same prefix loads them instead of recomputing:
 /// ```
-/// use offload_core::{BlockHash, Planner, PlannerConfig, ScheduleKind, ScheduledRequest};
+/// use offload_core::{
+///     BlockHash, GroupKind, Planner, PlannerConfig, ScheduleKind, ScheduledRequest,
+/// };
 ///
-/// let mut planner = Planner::new(PlannerConfig::new(16, 64));
+/// let mut planner = Planner::new(PlannerConfig::new(16, 64), &[GroupKind::FullAttention]);
 /// let hashes: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
 /// let step = |req, kind, computed, gpu: &[u32]| ScheduledRequest {
 ///     req_id: req,
@@ -77,7 +81,7 @@ const GROUP: u32 = 0;
 /// };
 ///
 /// assert_eq!(planner.lookup("a", &hashes, 65, 0)?, 0);
-/// planner.on_alloc("a", &[10, 11, 12, 13, 14], 0, 0)?;
+/// planner.on_alloc("a", &[[10, 11, 12, 13, 14]], 0, 0)?;
 /// planner.schedule([step("a", ScheduleKind::New, 0, &[10, 11, 12, 13, 14])], [])?;
 /// // Next step: the 64 prompt tokens are computed, so their blocks are stored.
 /// let plan = planner.schedule([step("a", ScheduleKind::Running, 64, &[])], [])?;
@@ -86,7 +90,7 @@ const GROUP: u32 = 0;
 /// planner.complete(store.id, true)?;
 ///
 /// assert_eq!(planner.lookup("b", &hashes, 65, 0)?, 64);
-/// planner.on_alloc("b", &[20, 21, 22, 23, 24], 0, 64)?;
+/// planner.on_alloc("b", &[[20, 21, 22, 23, 24]], 0, 64)?;
 /// let plan = planner.schedule([step("b", ScheduleKind::New, 0, &[20, 21, 22, 23, 24])], [])?;
 /// assert_eq!(plan.loads[0].gpu_blocks, vec![20, 21, 22, 23]);
 /// assert_eq!(plan.loads[0].cpu_blocks, store.cpu_blocks);
@@ -109,14 +113,32 @@ pub struct Planner {
     stats: PlannerStats,
     /// The remote tier behind the CPU tier, if one is attached.
     remote: Option<Box<remote::RemoteState>>,
-    /// Several KV-cache groups (see [`Planner::with_groups`]); `None`: one full-attention
-    /// group, planned on the single-group path.
-    groups: Option<Box<[GroupKind]>>,
+    /// The kind of each KV-cache group, `kinds[g]` being group `g`'s (never empty).
+    kinds: Box<[GroupKind]>,
 }
 
 impl Planner {
-    /// A planner with an empty CPU pool of `cfg.num_cpu_blocks` blocks.
-    pub fn new(cfg: PlannerConfig) -> Self {
+    /// A planner with an empty CPU pool of `cfg.num_cpu_blocks` blocks for a model whose
+    /// KV-cache group `g` is of kind `kinds[g]` (no group: one full-attention group).
+    ///
+    /// # Examples
+    /// A full-attention group and a sliding-window group of 32 tokens: a hit of 3 blocks
+    /// needs all 3 full-attention blocks but only the sliding-window blocks of its
+    /// window (the last 2).
+    /// ```
+    /// use offload_core::{GroupKind, Planner, PlannerConfig};
+    ///
+    /// let groups = [GroupKind::FullAttention, GroupKind::SlidingWindow { window: 32 }];
+    /// let planner = Planner::new(PlannerConfig::new(16, 64), &groups);
+    /// assert_eq!(planner.groups(), &groups);
+    /// assert_eq!(groups[1].skipped_blocks(48, 16), 1);
+    /// ```
+    pub fn new(cfg: PlannerConfig, kinds: &[GroupKind]) -> Self {
+        let kinds: Box<[GroupKind]> = if kinds.is_empty() {
+            Box::new([GroupKind::FullAttention])
+        } else {
+            kinds.into()
+        };
         let cfg = PlannerConfig::new(cfg.block_size, cfg.num_cpu_blocks)
             .with_world_size(cfg.world_size)
             .with_lazy(cfg.lazy)
@@ -135,8 +157,13 @@ impl Planner {
             completions: Completions::default(),
             stats: PlannerStats::default(),
             remote: None,
-            groups: None,
+            kinds,
         }
+    }
+
+    /// The KV-cache groups' kinds.
+    pub fn groups(&self) -> &[GroupKind] {
+        &self.kinds
     }
 
     /// The planner's configuration.
@@ -155,38 +182,6 @@ impl Planner {
             evicted_blocks: self.cache.evicted(),
             ..self.stats
         }
-    }
-
-    /// Records the step's scheduled requests and returns what workers must do.
-    ///
-    /// New and resumed requests bring their whole GPU block table; running ones the
-    /// blocks added this step. In eager mode every block confirmed by
-    /// `num_computed_tokens` that is not on CPU or in flight is stored; a new or resumed
-    /// request's computed tokens are its GPU prefix hit, which may name blocks another
-    /// request computes in this very step (vLLM hashes blocks when it allocates them), so
-    /// they are confirmed from its next step on. With
-    /// [`PlannerConfig::stores_after_forward`] the store runs after this step's forward
-    /// pass, so the blocks this step fills are confirmed already, first step included.
-    /// In lazy mode, `lazy_candidates` (GPU blocks about to be evicted, least recently
-    /// used first) are stored instead, and the plan's `held_gpu_blocks` says which ones
-    /// the caller must keep: none with [`PlannerConfig::stores_after_forward`], whose
-    /// lazy store is copied before this step's forward pass, the first that may write
-    /// them again.
-    ///
-    /// Hashes are read only for requests with newly confirmed blocks. A hash that cannot
-    /// be read is an error naming it; the other requests of the step are recorded, and
-    /// their stores are handed out with the next plan.
-    pub fn schedule<'a, H: HashSource>(
-        &mut self,
-        scheduled: impl IntoIterator<Item = ScheduledRequest<'a, H>>,
-        lazy_candidates: impl IntoIterator<Item = LazyCandidate>,
-    ) -> Result<StepPlan, PlanError> {
-        if self.groups.is_some() {
-            // One block table per request: refused per request, naming it.
-            let one_table = scheduled.into_iter().map(ScheduledGroups::from);
-            return self.schedule_rows(one_table, lazy_candidates);
-        }
-        self.schedule_rows(scheduled, lazy_candidates)
     }
 
     /// `req` finished with `num_computed_tokens` computed and block hashes `hashes`. In
@@ -209,11 +204,7 @@ impl Planner {
         };
         let confirmed = num_computed_tokens / bs;
         let mut err = None;
-        let sel = match self.groups.as_deref() {
-            Some(kinds) => Selector::Groups(kinds),
-            None => Selector::Single,
-        };
-        if !self.cfg.lazy && confirmed > sel.stored_upto(&r) {
+        if !self.cfg.lazy && confirmed > r.stored_upto() {
             // Its last chunk ran to `num_computed_tokens`: where Mamba groups last wrote
             // a state.
             r.state_tokens = num_computed_tokens;
@@ -225,10 +216,11 @@ impl Planner {
                 Ok(usable) => {
                     // A finished request keeps what vLLM did not free until this flush's
                     // store retires.
-                    let queued = sel.select(
+                    let queued = select_eager(
                         req,
                         &mut r,
                         usable,
+                        &self.kinds,
                         bs,
                         !self.cfg.stores_after_forward,
                         &mut self.cache,
@@ -304,9 +296,7 @@ impl Planner {
             // Keep where each pinned hit started, so a load the server still asks for is
             // reported failed against the right GPU blocks.
             if let Some(hit) = &mut r.hit {
-                for b in hit.blocks.drain(..) {
-                    let _ = self.cache.unpin(b);
-                }
+                hit.unpin_all(&mut self.cache);
             }
         }
         self.cache.clear();
@@ -326,8 +316,8 @@ impl Planner {
     ///
     /// vLLM frees finished requests' blocks after the step's plan is built, and the next
     /// step may evict them before that plan's walk sees them; offering them when they
-    /// are freed keeps them. Candidates carry their KV-cache group in their key, so a
-    /// multi-group planner stores each under its group. Nothing is selected by an eager
+    /// are freed keeps them. Candidates carry their KV-cache group in their key, and each
+    /// is stored under its group. Nothing is selected by an eager
     /// planner.
     pub fn offer_lazy(&mut self, candidates: impl IntoIterator<Item = LazyCandidate>) -> Vec<u32> {
         if !self.cfg.lazy {
@@ -359,9 +349,10 @@ impl Planner {
     /// or stored to it before, and only the rest need their ids and hashes handed over.
     ///
     /// ```
-    /// use offload_core::{BlockHash, BlockKey, Planner, PlannerConfig};
+    /// use offload_core::{BlockHash, BlockKey, GroupKind, Planner, PlannerConfig};
     ///
-    /// let mut p = Planner::new(PlannerConfig::new(16, 8).with_lazy(true));
+    /// let cfg = PlannerConfig::new(16, 8).with_lazy(true);
+    /// let mut p = Planner::new(cfg, &[GroupKind::FullAttention]);
     /// let k = |h| BlockKey::new(0, BlockHash(h));
     /// assert_eq!(p.offer_lazy([(7, k(1))]), vec![7]);
     /// let mut freed = vec![(9, k(2)), (7, k(1)), (8, k(3))];
@@ -386,17 +377,18 @@ impl Planner {
     }
 
     /// Whether [`Self::schedule`] reads the step's scheduled requests. A lazy planner
-    /// with one KV-cache group stores only the lazy candidates and learns each request's
-    /// GPU blocks from [`Self::on_alloc`], so its caller may pass no requests and skip
-    /// building their lists every step.
+    /// stores only the lazy candidates and learns each request's GPU blocks from
+    /// [`Self::on_alloc`], so its caller may pass no requests and skip building their
+    /// lists every step.
     pub fn reads_scheduled_requests(&self) -> bool {
-        !self.cfg.lazy || self.groups.is_some()
+        !self.cfg.lazy
     }
 
     /// The tokens running request `req` must have confirmed before [`Self::schedule`] has
     /// anything to do for it in a step that brings it no new GPU blocks; `None` where
-    /// every scheduled request must be passed every step (lazy or multi-group planners,
-    /// a request the planner does not track).
+    /// every scheduled request must be passed every step (lazy planners, models with a
+    /// group whose blocks the server frees from running requests, whose stores depend on
+    /// each step's allocation; a request the planner does not track).
     ///
     /// Confirmed tokens are `num_computed_tokens`, plus `num_scheduled_tokens` with
     /// [`PlannerConfig::stores_after_forward`]. Below the answer, a step that leaves the
@@ -411,9 +403,9 @@ impl Planner {
     /// block boundary, or to its finish, which flushes them.
     ///
     /// ```
-    /// use offload_core::{Planner, PlannerConfig, ScheduleKind, ScheduledRequest};
+    /// use offload_core::{GroupKind, Planner, PlannerConfig, ScheduleKind, ScheduledRequest};
     ///
-    /// let mut p = Planner::new(PlannerConfig::new(16, 64));
+    /// let mut p = Planner::new(PlannerConfig::new(16, 64), &[GroupKind::FullAttention]);
     /// let none: Vec<offload_core::BlockHash> = Vec::new();
     /// let new = ScheduledRequest {
     ///     req_id: "a",
@@ -429,11 +421,11 @@ impl Planner {
     /// assert_eq!(p.store_due("unknown"), None);
     /// ```
     pub fn store_due(&self, req: &str) -> Option<usize> {
-        if self.cfg.lazy || self.groups.is_some() {
+        if self.cfg.lazy || self.kinds.iter().any(|k| k.frees_running_blocks()) {
             return None;
         }
         let r = self.requests.get(req)?;
-        Some((r.stored_upto + 1) * self.block_size())
+        Some((r.stored_upto() + 1) * self.block_size())
     }
 
     /// Whether transfers were chosen that the next [`Self::schedule`] hands out.

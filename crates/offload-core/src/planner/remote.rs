@@ -3,8 +3,10 @@
 //! memory of blocks that failed to come (see [`crate::tier`] for the whole path).
 //!
 //! Nothing here runs without [`Planner::attach_remote`]: [`Planner::lookup_tiered`] is
-//! then [`Planner::lookup`] and one branch. The tier serves planners of one KV-cache group
-//! (its keys name one); with several, lookups stay local.
+//! then [`Planner::lookup`] and one branch. A remote hit is what every KV-cache group can
+//! serve, exactly as a CPU hit is: the blocks each group's kind needs past the local hit
+//! are probed and fetched into the CPU tier, and the lookup that follows offers what is
+//! then local in every group.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -18,8 +20,9 @@ use crate::key::{BlockHash, BlockId, BlockKey};
 use crate::pool::BlockState;
 use crate::tier::{ProbeQueue, TierSnapshot, TierStats};
 
+use super::kinds::group_id;
 use super::types::{HashSource, TransferId};
-use super::{Planner, GROUP};
+use super::Planner;
 
 /// Block hashes whose fetch failed that are remembered, so a chain is cut before them:
 /// enough for every prefix in flight, small enough to never matter in memory.
@@ -49,13 +52,17 @@ pub struct FetchJob {
     pub id: TransferId,
     /// The request the fetch is for.
     pub req_id: String,
-    /// The blocks' hashes, a chain in order.
+    /// The blocks' keys in the remote tier, in request order (a block of KV-cache group
+    /// 0 is keyed by its hash; see [`Planner::block_hashes`]).
     pub hashes: Vec<BlockHash>,
     /// The CPU blocks reserved for them.
     pub cpu_blocks: Vec<BlockId>,
     /// The first block's position in the request's chain of block hashes (what a KV event
     /// for the fetched blocks needs to name their tokens).
     pub first_block: usize,
+    /// Pairwise with `cpu_blocks`: each block's KV-cache group and position in the
+    /// request's chain of block hashes.
+    pub blocks: Vec<(u32, usize)>,
 }
 
 /// Counters of the scheduler's side of the remote tier.
@@ -92,13 +99,20 @@ enum Phase {
     },
 }
 
+/// One block a fetch brings: its CPU tier key, the hash of the block before it in its
+/// request (for the stored chain's event) and its position there.
+#[derive(Debug, Clone, Copy)]
+struct Wanted {
+    key: BlockKey,
+    parent: Option<BlockHash>,
+    pos: usize,
+}
+
 #[derive(Debug)]
 struct Fetch {
     req_id: String,
     need: usize,
-    /// The hash of the block before the first fetched one, for the fetched chain's event.
-    parent: Option<BlockHash>,
-    hashes: Vec<BlockHash>,
+    wanted: Vec<Wanted>,
     blocks: Vec<BlockId>,
     acks: u32,
     filled: usize,
@@ -139,9 +153,7 @@ pub(super) struct RemoteState {
 
 impl Planner {
     /// Adds a remote tier behind the CPU tier: `probes` answers existence checks (its tier's
-    /// counters are `tier_stats`), and [`Self::lookup_tiered`] uses it. It keys blocks by
-    /// hash alone, so a planner with several KV-cache groups ([`Self::with_groups`]) never
-    /// consults it.
+    /// counters are `tier_stats`), and [`Self::lookup_tiered`] uses it.
     pub fn attach_remote(&mut self, probes: ProbeQueue, tier_stats: Arc<TierStats>) {
         self.remote = Some(Box::new(RemoteState {
             probes,
@@ -184,11 +196,6 @@ impl Planner {
         let Some(remote) = self.remote.as_deref_mut() else {
             return Ok(hit);
         };
-        // Keys name one KV-cache group: a planner of several is served locally only (the
-        // connector does not attach a tier to one).
-        if self.groups.is_some() {
-            return Ok(hit);
-        }
         let bs = self.cfg.block_size as usize;
         if num_computed_tokens % bs != 0 || self.cache.capacity() == 0 {
             return Ok(hit);
@@ -234,26 +241,50 @@ impl Planner {
             req_id: req.to_string(),
             source,
         };
-        let mut rest = Vec::with_capacity(need - end);
-        for i in end..need {
-            let h = hashes.hash(i).map_err(bad)?;
-            if remote.failed.set.contains(&h) {
-                remote.stats.skipped_failed += 1;
-                break;
+        // Past the local hit, the blocks each group needs for a hit reaching `need`,
+        // block by block: a block some group has ready already is not fetched again; one
+        // being stored, or whose fetch failed before, ends the run.
+        let start = num_computed_tokens / bs;
+        let mut wanted: Vec<Wanted> = Vec::new();
+        let mut parent = match end.checked_sub(1) {
+            Some(i) => Some(hashes.hash(i).map_err(bad)?),
+            None => None,
+        };
+        'blocks: for pos in end..need {
+            let h = hashes.hash(pos).map_err(bad)?;
+            for (g, kind) in self.kinds.iter().enumerate() {
+                if pos < kind.first_needed(start, need, bs) {
+                    continue;
+                }
+                let key = BlockKey::new(group_id(g), h);
+                if self.cache.get_ready(&key).is_some() {
+                    continue;
+                }
+                if self.cache.contains(&key) {
+                    break 'blocks;
+                }
+                if remote.failed.set.contains(&key.remote_hash()) {
+                    remote.stats.skipped_failed += 1;
+                    break 'blocks;
+                }
+                wanted.push(Wanted { key, parent, pos });
             }
-            rest.push(h);
+            parent = Some(h);
         }
-        let keys: Vec<[u8; 16]> = rest.iter().map(|h| h.0.to_le_bytes()).collect();
+        let keys: Vec<[u8; 16]> = wanted
+            .iter()
+            .map(|w| w.key.remote_hash().0.to_le_bytes())
+            .collect();
         let Some(found) = remote.probes.poll(req, &keys) else {
             remote.stats.pending_lookups += 1;
             return Ok(LookupOutcome::Pending);
         };
         remote.probes.forget(req);
         let mut blocks = Vec::new();
-        for h in &rest[..found.min(rest.len())] {
-            // A block another request is storing meanwhile ends the run: it will be
-            // local soon, and a block is never reserved twice.
-            let Some(b) = self.cache.reserve(BlockKey::new(GROUP, *h)) else {
+        for w in &wanted[..found.min(wanted.len())] {
+            // A block another request reserved meanwhile ends the run: it will be local
+            // soon, and a block is never reserved twice.
+            let Some(b) = self.cache.reserve(w.key) else {
                 break;
             };
             blocks.push(b);
@@ -270,28 +301,24 @@ impl Planner {
             );
             return Ok(hit);
         }
-        let parent = match end.checked_sub(1) {
-            Some(i) => Some(hashes.hash(i).map_err(bad)?),
-            None => None,
-        };
         let id = self.ledger.next_id();
-        rest.truncate(blocks.len());
+        wanted.truncate(blocks.len());
         remote.stats.fetches += 1;
         remote.stats.fetch_blocks += blocks.len() as u64;
         remote.pending.push(FetchJob {
             id,
             req_id: req.to_string(),
-            hashes: rest.clone(),
+            hashes: wanted.iter().map(|w| w.key.remote_hash()).collect(),
             cpu_blocks: blocks.clone(),
             first_block: end,
+            blocks: wanted.iter().map(|w| (w.key.group, w.pos)).collect(),
         });
         remote.fetches.insert(
             id,
             Fetch {
                 req_id: req.to_string(),
                 need,
-                parent,
-                hashes: rest,
+                wanted,
                 blocks,
                 acks: 0,
                 filled: usize::MAX,
@@ -338,9 +365,8 @@ impl Planner {
         let n = f.filled.min(f.blocks.len());
         let waiting = matches!(remote.reqs.get(&f.req_id), Some(Phase::Fetching(i)) if *i == id);
         let mut pinned = Vec::new();
-        let mut chain = StoredChain::new(GROUP, self.cfg.block_size);
-        let mut parent = f.parent;
-        for (&b, &h) in f.blocks[..n].iter().zip(&f.hashes) {
+        let mut chain = StoredChain::new(0, self.cfg.block_size);
+        for (&b, w) in f.blocks[..n].iter().zip(&f.wanted) {
             // A block a reset dropped meanwhile is neither held nor announced.
             let present = self.cache.pool().state(b) == Some(BlockState::Pending);
             if present && waiting {
@@ -349,17 +375,27 @@ impl Planner {
             }
             let _ = self.cache.publish(b);
             if present {
-                chain.push(h, parent, self.cache.events_mut());
+                if w.key.group != chain.group() {
+                    chain.flush(self.cache.events_mut());
+                    chain = StoredChain::new(w.key.group, self.cfg.block_size);
+                }
+                chain.push(w.key.hash, w.parent, self.cache.events_mut());
             }
-            parent = Some(h);
         }
         chain.flush(self.cache.events_mut());
         for &b in &f.blocks[n..] {
             let _ = self.cache.abort(b);
         }
-        if let Some(h) = f.hashes.get(n) {
-            remote.failed.insert(*h);
+        if let Some(w) = f.wanted.get(n) {
+            remote.failed.insert(w.key.remote_hash());
         }
+        // The request's blocks the fetch brought, counted by position (every group's
+        // blocks at one position are one block of the prompt).
+        let positions = {
+            let mut p: Vec<usize> = f.wanted[..n].iter().map(|w| w.pos).collect();
+            p.dedup();
+            p.len()
+        };
         remote.stats.fetched_blocks += n as u64;
         remote.stats.failed_fetch_blocks += (f.blocks.len() - n) as u64;
         if waiting {
@@ -368,7 +404,7 @@ impl Planner {
                 Phase::Tried {
                     need: f.need,
                     pinned,
-                    remote_blocks: n,
+                    remote_blocks: positions,
                     counted: false,
                 },
             );
@@ -405,13 +441,14 @@ impl Planner {
         }
     }
 
-    /// The hashes of CPU blocks (`None` for a block holding none), for writing stored
-    /// blocks to the remote tier under their keys.
+    /// The remote keys of CPU blocks (`None` for a block holding none), for writing
+    /// stored blocks to the remote tier: a block's hash, told apart by its KV-cache group
+    /// past group 0 (see [`FetchJob::hashes`]).
     pub fn block_hashes(&self, blocks: &[BlockId]) -> Vec<Option<BlockHash>> {
         let pool = self.cache.pool();
         blocks
             .iter()
-            .map(|&b| pool.key(b).map(|k| k.hash))
+            .map(|&b| pool.key(b).map(|k| k.remote_hash()))
             .collect()
     }
 

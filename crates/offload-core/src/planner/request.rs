@@ -7,22 +7,88 @@ use crate::key::{BlockHash, BlockId};
 
 use crate::error::HashError;
 
-use super::groups::{GroupBlocks, GroupHit};
 use super::types::HashSource;
 
-/// A pinned lookup result: CPU blocks for the request's blocks `start..start + len`.
+/// One value per KV-cache group, the first one inline: most models have one group, and
+/// a request's entry then reaches its blocks without another pointer to follow.
+#[derive(Debug, Default, Clone)]
+pub(super) struct PerGroup<T> {
+    first: T,
+    rest: Vec<T>,
+}
+
+impl<T: Default> PerGroup<T> {
+    /// Number of groups (at least one).
+    pub(super) fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+
+    /// Makes room for `n` groups (at least one), new ones default.
+    pub(super) fn resize(&mut self, n: usize) {
+        self.rest.resize_with(n.saturating_sub(1), T::default);
+    }
+
+    /// Group `g`'s value.
+    pub(super) fn get_mut(&mut self, g: usize) -> Option<&mut T> {
+        match g.checked_sub(1) {
+            None => Some(&mut self.first),
+            Some(i) => self.rest.get_mut(i),
+        }
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &T> {
+        std::iter::once(&self.first).chain(&self.rest)
+    }
+
+    pub(super) fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        std::iter::once(&mut self.first).chain(&mut self.rest)
+    }
+}
+
+/// A request's blocks in one KV-cache group.
+#[derive(Debug, Default, Clone)]
+pub(super) struct GroupBlocks {
+    /// GPU block ids from token 0 (positions the group no longer holds carry the
+    /// server's null block; they are never read).
+    pub(super) gpu_blocks: Vec<u32>,
+    /// Blocks before this index were considered for storing already.
+    pub(super) stored_upto: usize,
+}
+
+/// The pinned part of a hit in one group: CPU blocks for positions `from..`.
+#[derive(Debug, Default, Clone)]
+pub(super) struct GroupHit {
+    pub(super) from: usize,
+    pub(super) blocks: Vec<BlockId>,
+}
+
+/// A pinned lookup result: the request's blocks `start..end` in every group (each group
+/// pins the part of them it needs, see [`GroupKind`](super::GroupKind)).
 #[derive(Debug, Default)]
 pub(super) struct Hit {
     pub(super) start: usize,
+    /// The end of the hit, in blocks.
+    pub(super) end: usize,
     pub(super) num_tokens: usize,
-    pub(super) blocks: Vec<BlockId>,
     /// The hash of the run's last block: a repeated lookup serves the pinned run only
     /// while the request's list still has it there (the run's hashes may have been read
     /// without becoming part of the known prefix).
     pub(super) last: Option<BlockHash>,
-    /// Multi-group planners: the pinned blocks of each group (`blocks` holds them all,
-    /// for unpinning). Empty on the single-group path.
+    /// The pinned blocks of each group; empty when nothing is pinned.
     pub(super) groups: Vec<GroupHit>,
+}
+
+impl Hit {
+    /// Unpins every pinned block and forgets them (the hit keeps where it started).
+    pub(super) fn unpin_all(&mut self, cache: &mut BlockCache) {
+        for g in self.groups.drain(..) {
+            for b in g.blocks {
+                // Pinned by the lookup, so in range and pinned.
+                let _ = cache.unpin(b);
+            }
+        }
+        self.end = self.start;
+    }
 }
 
 /// How a finished request with transfers in flight is handed back to the server.
@@ -43,21 +109,17 @@ pub(super) struct Request {
     pub(super) serial: u64,
     /// A prefix of the server's hash list, as of the last check (see [`Self::sync`]).
     pub(super) hashes: Vec<BlockHash>,
-    pub(super) gpu_blocks: Vec<u32>,
-    /// Blocks before this index were considered for storing already.
-    pub(super) stored_upto: usize,
+    /// The request's blocks in each KV-cache group.
+    pub(super) groups: PerGroup<GroupBlocks>,
     pub(super) hit: Option<Hit>,
     pub(super) stores_in_flight: u32,
     pub(super) load_in_flight: bool,
     /// Part of the store job being assembled for the next step.
     pub(super) queued: bool,
-    /// Multi-group planners: each group's blocks (`gpu_blocks` and `stored_upto` are
-    /// unused there). Empty on the single-group path.
-    pub(super) groups: Vec<GroupBlocks>,
-    /// Multi-group planners: tokens computed when the server last allocated for the
-    /// request, which decides what sliding-window groups still hold.
+    /// Tokens computed when the server last allocated for the request, which decides
+    /// what sliding-window groups still hold.
     pub(super) alloc_tokens: usize,
-    /// Multi-group planners: tokens through which the request's last computed chunk
+    /// Tokens through which the request's last computed chunk
     /// ran (before this step's forward, or after it with
     /// [`stores_after_forward`](super::PlannerConfig::stores_after_forward)): where
     /// Mamba groups last wrote a state.
@@ -80,6 +142,11 @@ impl Request {
             serial,
             ..Self::default()
         }
+    }
+
+    /// Blocks before this index were considered for storing in every group.
+    pub(super) fn stored_upto(&self) -> usize {
+        self.groups.iter().map(|g| g.stored_upto).min().unwrap_or(0)
     }
 
     /// Makes the first `min(need, src.num_hashes())` known hashes equal to the source's,
@@ -180,26 +247,18 @@ impl Request {
             self.hashes.len() - from
         );
         self.hashes.truncate(from);
-        self.stored_upto = self.stored_upto.min(from);
-        for g in &mut self.groups {
+        for g in self.groups.iter_mut() {
             g.stored_upto = g.stored_upto.min(from);
         }
-        if self
-            .hit
-            .as_ref()
-            .is_some_and(|h| h.start + h.blocks.len() > from)
-        {
+        if self.hit.as_ref().is_some_and(|h| h.end > from) {
             self.release_hit(cache);
         }
     }
 
     /// Unpins the pinned lookup result, if any.
     pub(super) fn release_hit(&mut self, cache: &mut BlockCache) {
-        if let Some(hit) = self.hit.take() {
-            for b in hit.blocks {
-                // Pinned by the lookup, so in range and pinned.
-                let _ = cache.unpin(b);
-            }
+        if let Some(mut hit) = self.hit.take() {
+            hit.unpin_all(cache);
         }
     }
 }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use crate::config::{parse_bool, parse_bytes, ConfigValue};
+use crate::config_value::{parse_bool, parse_bytes, ConfigValue};
 use crate::error::ConfigError;
 
 use super::key::validate_namespace;
@@ -42,6 +42,7 @@ const MAX_TIMEOUT_MS: u64 = 60_000;
 ///
 /// `Debug` masks passwords; use [`Self::seeds`] to connect.
 #[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RemoteConfig {
     /// Seed URLs, passwords included.
     pub seeds: Vec<String>,
@@ -131,26 +132,42 @@ impl RemoteConfig {
     }
 }
 
+/// The seeds of `remote_url`: one string of URLs separated by commas (or whitespace), or
+/// a list of such strings.
 fn parse_seeds(value: &ConfigValue) -> Result<Vec<String>, ConfigError> {
-    let ConfigValue::Str(s) = value else {
-        return Err(ConfigError::WrongType {
-            key: KEY_REMOTE_URL.to_string(),
-            expected: "a redis:// or rediss:// URL, or several separated by commas",
-            got: value.to_string(),
-        });
+    let wrong_type = || ConfigError::WrongType {
+        key: KEY_REMOTE_URL.to_string(),
+        expected: "a redis:// or rediss:// URL, several separated by commas, or a list of them",
+        got: value.to_string(),
+    };
+    let parts: Vec<&str> = match value {
+        ConfigValue::Str(s) => vec![s.as_str()],
+        ConfigValue::List(items) => items
+            .iter()
+            .map(|v| match v {
+                ConfigValue::Str(s) => Ok(s.as_str()),
+                _ => Err(wrong_type()),
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err(wrong_type()),
     };
     let invalid = |value: String, reason| ConfigError::InvalidValue {
         key: KEY_REMOTE_URL.to_string(),
         value,
         reason,
     };
-    let seeds: Vec<String> = s
-        .split([',', ' ', '\n', '\t'])
+    let seeds: Vec<String> = parts
+        .iter()
+        .flat_map(|s| s.split([',', ' ', '\n', '\t']))
         .filter(|p| !p.is_empty())
         .map(str::to_string)
         .collect();
     if seeds.is_empty() {
-        return Err(invalid(format!("{s:?}"), "names no URL"));
+        let shown = match value {
+            ConfigValue::Str(s) => format!("{s:?}"),
+            other => other.to_string(),
+        };
+        return Err(invalid(shown, "names no URL"));
     }
     for seed in &seeds {
         parse_seed(seed).map_err(|e| {
@@ -236,6 +253,9 @@ mod tests {
             .0
             .unwrap();
         assert_eq!(c.seeds, vec!["redis://a:7000", "redis://b:7001"]);
+        let listed = ConfigValue::List(vec![s("redis://a:7000"), s("redis://b:7001")]);
+        let l = parse(&[(KEY_REMOTE_URL, listed)]).unwrap().0.unwrap();
+        assert_eq!(l.seeds, c.seeds);
         assert_eq!(c.namespace, DEFAULT_REMOTE_NAMESPACE);
         assert_eq!(
             c.timeout(),
@@ -276,7 +296,12 @@ mod tests {
             (KEY_REMOTE_URL, s("  , ")),
             (KEY_REMOTE_URL, s("redis://a:1,rediss://b:2")),
             (KEY_REMOTE_URL, s("redis://u:hunter2@")),
-            (KEY_REMOTE_URL, ConfigValue::Other("list".into())),
+            (KEY_REMOTE_URL, ConfigValue::Other("dict".into())),
+            (KEY_REMOTE_URL, ConfigValue::List(vec![])),
+            (
+                KEY_REMOTE_URL,
+                ConfigValue::List(vec![s("redis://a:1"), ConfigValue::Int(7)]),
+            ),
             (KEY_REMOTE_NAMESPACE, s("a{b}")),
             (KEY_REMOTE_NAMESPACE, ConfigValue::Int(3)),
             (KEY_REMOTE_TIMEOUT_MS, ConfigValue::Int(0)),

@@ -2,8 +2,25 @@
 //! value.
 
 use super::cuda::CudaError;
-use super::types::BlockSide;
 use crate::memory::MemoryError;
+
+/// Which id space a block id belongs to, for error messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockSide {
+    /// A device (GPU) block id, indexing every [`RegionSpec`](super::RegionSpec).
+    Gpu,
+    /// A CPU block id, indexing the engine's host memory.
+    Cpu,
+}
+
+impl std::fmt::Display for BlockSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Gpu => "gpu",
+            Self::Cpu => "cpu",
+        })
+    }
+}
 
 /// Why [`RegionSpec::new`](super::RegionSpec::new) refused a shape.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,9 +1,10 @@
 //! Where every block lives: the regions on the device side, the region-major host layout,
 //! and the checks that keep a job inside both.
 
+use super::error::BlockSide;
 use super::error::{BuildError, JobError};
 use super::region::RegionSpec;
-use super::types::{BlockSide, Direction, TransferJob};
+use super::types::{Direction, TransferJob};
 
 /// Immutable geometry of an engine.
 #[derive(Debug)]

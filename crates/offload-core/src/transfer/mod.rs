@@ -51,7 +51,6 @@ mod backend;
 mod config;
 mod copy_thread;
 pub mod cuda;
-mod cuda_sys;
 mod engine;
 mod error;
 pub mod fault;
@@ -69,12 +68,12 @@ pub use config::{BackendKind, TransferConfig};
 pub use cuda::{BatchApi, CudaCopyBackend, CudaDriver, CudaError, CudaOptions, MAX_BATCH_COPIES};
 pub use engine::TransferEngine;
 pub use error::{
-    BlockAccessError, BuildError, JobError, ReadyError, RegionError, ShutdownError, SubmitError,
-    WaitError,
+    BlockAccessError, BlockSide, BuildError, JobError, ReadyError, RegionError, ShutdownError,
+    SubmitError, WaitError,
 };
 pub use fault::{FaultInjector, FaultPlan, FaultSpecError};
 pub use host::HostCopyBackend;
 pub use host_blocks::HostBlocks;
 pub use region::{coalesce, CopyRun, RegionSpec};
 pub use stats::TransferStats;
-pub use types::{BlockSide, Completion, Direction, TransferJob};
+pub use types::{Completion, Direction, TransferJob};

@@ -20,24 +20,6 @@ impl std::fmt::Display for Direction {
     }
 }
 
-/// Which id space a block id belongs to, for error messages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BlockSide {
-    /// A device (GPU) block id, indexing every [`RegionSpec`](super::RegionSpec).
-    Gpu,
-    /// A CPU block id, indexing the engine's host memory.
-    Cpu,
-}
-
-impl std::fmt::Display for BlockSide {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Gpu => "gpu",
-            Self::Cpu => "cpu",
-        })
-    }
-}
-
 /// One batch of block copies in one direction, identified by a caller-chosen id.
 ///
 /// ```

@@ -3,6 +3,7 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
+use offload_core::GroupKind;
 use offload_core::{
     BlockHash, BlockKey, KvEvent, Planner, PlannerConfig, ScheduleKind, ScheduledGroups,
     ScheduledRequest, StepPlan, StoreJob, TransferId,
@@ -18,6 +19,7 @@ pub fn planner(blocks: u32, world: u32, lazy: bool) -> Planner {
             .with_world_size(world)
             .with_lazy(lazy)
             .with_events(true),
+        &[GroupKind::FullAttention],
     )
 }
 
@@ -117,10 +119,14 @@ pub fn sched_groups<'a>(
     gpu: &[&[u32]],
     hashes: &'a [BlockHash],
 ) -> GroupSched<'a> {
-    let mut s = ScheduledGroups::from(sched(req, kind, computed, &[], hashes));
-    s.num_scheduled_tokens = scheduled;
-    s.gpu_blocks = gpu.iter().map(|g| g.to_vec()).collect();
-    s
+    ScheduledGroups {
+        req_id: req,
+        kind,
+        num_computed_tokens: computed,
+        num_scheduled_tokens: scheduled,
+        gpu_blocks: gpu.iter().map(|g| g.to_vec()).collect(),
+        hashes,
+    }
 }
 
 /// One engine step of a multi-group planner with `reqs` scheduled and no lazy candidates.
@@ -128,8 +134,7 @@ pub fn step_groups<'a>(
     p: &mut Planner,
     reqs: impl IntoIterator<Item = GroupSched<'a>>,
 ) -> StepPlan {
-    p.schedule_groups(reqs, [])
-        .expect("a step with readable hashes")
+    p.schedule(reqs, []).expect("a step with readable hashes")
 }
 
 /// One engine step with `reqs` scheduled and no lazy candidates.
@@ -157,7 +162,7 @@ pub fn store_prompt(p: &mut Planner, req: &str, h: &[BlockHash], first_gpu: u32)
     let tokens = h.len() * BS;
     p.lookup(req, h, tokens + 1, 0).expect("lookup");
     let gpu: Vec<u32> = (first_gpu..first_gpu + h.len() as u32 + 1).collect();
-    p.on_alloc(req, &gpu, 0, 0).expect("allocation");
+    p.on_alloc(req, &[&gpu], 0, 0).expect("allocation");
     step(p, [new_req(req, 0, &gpu, h)]);
     assert!(p.request_finished(req, h, tokens).expect("finish"));
     let store = idle_step(p).store.expect("the prompt's blocks to flush");

@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::memory::HostMemoryOptions;
 use offload_core::transfer::{
     BackendError, Completion, CopyBackend, CopyRun, Direction, HostCopyBackend, RegionSpec, Ticket,
     TransferConfig, TransferEngine, TransferJob,
 };
+use offload_core::HostMemoryOptions;
 
 use super::rng::Rng;
 

@@ -15,7 +15,7 @@
  * Run-time behaviour is set through the exported fake_* functions; tests call them through
  * the same dlopen handle the backend uses.
  *
- * Signatures follow cuda.h (CUDA 12.8 / 13.x); see crates/offload-core/src/transfer/cuda_sys.rs.
+ * Signatures follow cuda.h (CUDA 12.8 / 13.x); see crates/offload-core/src/transfer/cuda/sys.rs.
  */
 #include <pthread.h>
 #include <stddef.h>

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use crate::config::{parse_bool, parse_bytes, ConfigValue};
+use crate::config_value::{parse_bool, parse_bytes, ConfigValue};
 use crate::error::ConfigError;
 
 /// Key: `"cpu"` (no disk tier) or `"disk"`.

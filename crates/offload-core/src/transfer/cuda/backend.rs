@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::super::copy_thread::lane;
-use super::super::cuda_sys::{self as sys, CUresult};
 use super::super::{BackendError, CopyBackend, CopyRun, Direction, Ticket};
 use super::driver::{Api, CudaDriver};
 use super::enqueue::{build_descriptors, Descriptor};
+use super::sys::{self, CUresult};
 use super::{version_text, BatchApi, CudaError, DEFAULT_PIN_CHUNK_BYTES, PIN_CHUNK_ALIGN};
 
 /// Settings of a [`CudaCopyBackend`].

@@ -5,7 +5,7 @@ use std::ffi::{c_int, CStr, OsStr, OsString};
 
 use libloading::Library;
 
-use super::super::cuda_sys::{self as sys, CUresult};
+use super::sys::{self, CUresult};
 use super::{
     version_text, BatchApi, CudaError, BATCH_V1_MIN_VERSION, BATCH_V2_MIN_VERSION, DEFAULT_LIBRARY,
     LIBRARY_ENV, MIN_DRIVER_VERSION,
@@ -102,7 +102,7 @@ impl CudaDriver {
         // SAFETY: `version` is a valid out-pointer for the duration of the call.
         let rc = unsafe { get_version(&mut version) };
 
-        // SAFETY: each type is the symbol's cuda.h signature (see `cuda_sys`).
+        // SAFETY: each type is the symbol's cuda.h signature (see `sys`).
         let get_error_name: Option<sys::cuGetErrorName_t> =
             unsafe { symbol(&library, "cuGetErrorName") };
         // SAFETY: as above.
@@ -131,7 +131,7 @@ impl CudaDriver {
                 let mut absent = Vec::new();
                 $(
                     // SAFETY: each field's type is that symbol's cuda.h signature (see
-                    // `cuda_sys`).
+                    // `sys`).
                     let $field = unsafe { symbol(&library, $name) };
                     if $field.is_none() {
                         absent.push($name);

@@ -1,8 +1,8 @@
 //! Turning a job's runs into driver copies and enqueueing them on the backend's stream.
 
-use super::super::cuda_sys as sys;
 use super::super::{CopyRun, Direction};
 use super::backend::{CudaCopyBackend, Handle};
+use super::sys;
 use super::{BatchApi, CudaError, MAX_BATCH_COPIES};
 
 /// One copy as handed to the driver.

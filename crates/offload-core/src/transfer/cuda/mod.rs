@@ -24,8 +24,8 @@
 mod backend;
 mod driver;
 mod enqueue;
+mod sys;
 
-use super::cuda_sys as sys;
 use super::BackendError;
 
 pub use backend::{CudaCopyBackend, CudaOptions};

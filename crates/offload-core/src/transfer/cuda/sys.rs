@@ -1,6 +1,6 @@
 //! Raw CUDA driver API types, constants and function-pointer signatures, as in `cuda.h`.
 //!
-//! Nothing here links against CUDA: [`super::cuda`] resolves these functions at run time from
+//! Nothing here links against CUDA: the backend ([`super`]) resolves these functions at run time from
 //! `libcuda.so.1`. Every signature below is the one the named *exported symbol* has. Where
 //! `cuda.h` maps a name to a versioned symbol (`#define cuMemHostRegister
 //! cuMemHostRegister_v2`), the versioned symbol is the one resolved, because the unversioned

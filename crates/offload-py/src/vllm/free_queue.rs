@@ -12,8 +12,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use super::step::candidate_key;
 use crate::convert::block_id;
-use crate::step::candidate_key;
 
 /// One walk: the last node examined (`None` when the walk examined none), whether it
 /// stopped at the queue's tail, and the ids and hashes (`bytes` as vLLM keeps them) of

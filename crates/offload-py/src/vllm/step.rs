@@ -11,9 +11,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PySet, PyString, PyTuple};
 
-use crate::convert::{block_id, block_ids, type_name, MappedHashes};
+use crate::convert::{block_id, block_ids, ids_to_bytes, type_name, MappedHashes};
 use crate::errors::INVALID_INPUT_ERROR;
-use crate::planner::ids_to_bytes;
 
 /// One step's lists, in the order of `Planner.schedule`'s request arguments.
 pub(crate) struct StepLists<'py> {
@@ -148,21 +147,6 @@ pub(crate) fn scheduled_requests<'a, 'py, B>(
             }
         },
     )
-}
-
-/// vLLM passes block ids per KV-cache group (`tuple[list[int], ...]`) or `None`.
-pub(crate) fn group0_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    // Most running requests get no new block in a step.
-    if v.is_none() {
-        return Ok(Vec::new());
-    }
-    if let Ok(t) = v.cast::<PyTuple>() {
-        return match t.len() {
-            0 => Ok(Vec::new()),
-            _ => block_ids(&t.get_item(0)?, "block_ids"),
-        };
-    }
-    block_ids(v, "block_ids")
 }
 
 /// Every group's ids of a `tuple[list[int], ...]` (a missing or `None` entry: none).
