@@ -42,6 +42,9 @@ py_dirs=(python tests scripts)
 ruff check "${py_dirs[@]}"
 ruff format --check "${py_dirs[@]}"
 
+step "mypy (python/kvoffload, against vLLM 0.32's annotations)"
+mypy
+
 # Suites that need no engine (vLLM's scheduler, block pool, connector base and KV events,
 # and the worker on CPU tensors), on the vLLM GPU users install. Run first, in their own
 # pytest, so the full 0.32 run's summary stays last; either failing fails the script.

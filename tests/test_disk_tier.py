@@ -99,8 +99,10 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             "extra": _disk(
                 disk_dir,
                 **{
-                    "kvoffload.faults": "disk_enospc_every=3,disk_read_eio_every=4,"
-                    "disk_short_read_every=5"
+                    # Every second and third read fails: the engine's second lookup
+                    # reads as few as two blocks before a failure cuts its chain.
+                    "kvoffload.faults": "disk_enospc_every=3,disk_read_eio_every=2,"
+                    "disk_short_read_every=3"
                 },
             ),
         },

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 from kvoffload._native import KVOffloadError, OffloadConfig, Planner
 from kvoffload.events import CpuEventLog
@@ -17,6 +17,13 @@ from kvoffload.vllm_adapter import (
     logger,
     skips_prefix_cache,
 )
+
+if TYPE_CHECKING:
+    from kvoffload._native import _StepTuple
+
+#: A step that plans nothing, unpacked like a plan without building one: every field is
+#: only tested or iterated, never changed, and the loads are replaced before they are sent.
+_NO_PLAN: Final[_StepTuple] = ((), None, (), (), ())  # type: ignore[assignment]
 
 #: Lazy mode keeps this many steps' worth of batched tokens offloaded ahead of eviction
 #: (the same watermark as vLLM's SimpleCPUOffloadConnector).
@@ -79,7 +86,7 @@ class OffloadScheduler:
         self._offered: dict[int, bytes] = {}
         if not self._lazy:
             # Nothing is offered between steps: vLLM's per-step call goes to the reports.
-            self.update_connector_output = self._apply_reports
+            self.update_connector_output = self._apply_reports  # type: ignore[method-assign]
 
     @property
     def planner(self) -> Planner:
@@ -178,7 +185,7 @@ class OffloadScheduler:
             # Most lazy steps plan nothing: then no plan tuple is built at all.
             plan = planner.schedule_lazy(lazy_ids, lazy_hashes, GROUP_ID_BYTES)
         if plan is None:
-            loads, store, held, sources, groups = (), None, (), (), ()
+            loads, store, held, sources, groups = _NO_PLAN
         else:
             loads, store, held, sources, groups = plan
         if self._events is not None:
@@ -186,7 +193,7 @@ class OffloadScheduler:
                 requests = self._requests if not self._finished else self._finished_first()
                 # Offered between steps, or walked now: the walk saw the newer hash.
                 lazy = self._offered
-                if lazy_ids:
+                if lazy_ids and lazy_hashes is not None:
                     lazy.update(zip(lazy_ids, lazy_hashes, strict=True))
                 self._events.store_issued(store, sources, requests, lazy, groups)
             # What was offered since the last plan and chosen is in this store; the rest

@@ -69,10 +69,16 @@ def request_block_meta(request: Any, index: int, block_size: int) -> BlockMeta:
 def gpu_block_meta(hash_with_group_id: bytes) -> BlockMeta:
     """A lazy store's block: a free GPU block whose request is gone. Like vLLM's Simple
     connector in lazy mode, only its hash is known (no tokens, parent or LoRA)."""
-    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+    from vllm.v1.core.kv_cache_utils import (
+        BlockHashWithGroupId,
+        get_block_hash,
+        maybe_convert_block_hash,
+    )
 
     return BlockMeta(
-        block_hash=maybe_convert_block_hash(get_block_hash(hash_with_group_id)),
+        block_hash=maybe_convert_block_hash(
+            get_block_hash(BlockHashWithGroupId(hash_with_group_id))
+        ),
         parent_block_hash=None,
         token_ids=[],
         lora_id=None,

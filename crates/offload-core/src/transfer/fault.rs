@@ -178,7 +178,8 @@ impl<B: CopyBackend> FaultInjector<B> {
     }
 }
 
-fn hits(count: u32, every: u32) -> bool {
+/// Whether the `count`-th operation (from 1) is one of every `every` to fail; `0`: none.
+pub(crate) fn hits(count: u32, every: u32) -> bool {
     every != 0 && count % every == 0
 }
 

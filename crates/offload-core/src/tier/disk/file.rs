@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::error::{DiskError, IoKind};
 use super::layout::ALIGN;
+use crate::transfer::fault::hits;
 use crate::transfer::FaultPlan;
 
 /// A zeroed buffer aligned for `O_DIRECT`.
@@ -67,10 +68,6 @@ pub(crate) struct DiskFaults {
     plan: FaultPlan,
     writes: AtomicU32,
     reads: AtomicU32,
-}
-
-fn hits(count: u32, every: u32) -> bool {
-    every != 0 && count % every == 0
 }
 
 impl DiskFaults {
