@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     flush = distinct_prompts(6, 640, seed=7)
     disk_dir = {disk_dir!r}
     results = {{}}
-    with engine({model!r}) as llm:
+    with engine({model!r}, **{engine_kw!r}) as llm:
         results["reference"] = generate(llm, prompts)
     for phase in json.loads({phases!r}):
         cfg = {{
@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
             "kv_role": "kv_both",
             "kv_connector_extra_config": phase["extra"],
         }}
-        with engine({model!r}, cfg) as llm:
+        with engine({model!r}, cfg, **{engine_kw!r}) as llm:
             first = []
             if not phase.get("fresh"):
                 first = generate(llm, prompts)
@@ -65,12 +65,18 @@ DISK_BYTES = 48 * 2**20
 SMALL_CPU = 8 * 128 * 2**10
 
 
-def _run(tiny_model: Path, disk_dir: Path, phases: list[dict[str, Any]]) -> dict[str, Any]:
+def _run(
+    model: Path,
+    disk_dir: Path,
+    phases: list[dict[str, Any]],
+    engine_kw: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     script = SCRIPT.format(
         tests=str(Path(__file__).parent),
-        model=str(tiny_model),
+        model=str(model),
         disk_dir=str(disk_dir),
         phases=json.dumps(phases),
+        engine_kw=engine_kw or {},
     )
     return run_script(script, {})
 
@@ -126,6 +132,27 @@ def test_simples_disk_config_works_unchanged(runs: dict[str, Any]) -> None:
     assert r["worker"]["disk_buffered_io"] == 0, "ext4 takes O_DIRECT"
     assert r["during"] == ["kv.rank_0", "kv.rank_0.idx"], r["during"]
     assert r["after"] == [], r["after"]
+
+
+def test_a_sliding_window_model_is_served_from_disk(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A sliding-window + full-attention model (two KV-cache groups): the disk takes the
+    lower-tier path every model takes, so a disk hit is what both groups can serve,
+    token-identical to vLLM without kvoffload."""
+    from tiny_model import build_sliding_window_llama
+
+    path = tmp_path_factory.mktemp("hybrid") / "m"
+    model = build_sliding_window_llama(tiny_model, path, ["sliding_attention", "full_attention"])
+    disk_dir = tmp_path_factory.mktemp("disk-hybrid")
+    # Two requests at a time, as in tests/test_group_kinds.py.
+    r = _run(model, disk_dir, [{"name": "simple", "extra": _disk(disk_dir)}], {"max_num_seqs": 2})
+    s = r["simple"]
+    assert s["first"] == r["reference"]
+    assert s["again"] == r["reference"]
+    assert s["worker"]["disk_reads"] > 0, s["worker"]
+    assert s["planner"]["remote_hit_tokens"] > 0, s["planner"]
+    assert s["after"] == [], s["after"]
 
 
 def test_disk_behind_a_small_cpu_pool_serves_more(runs: dict[str, Any]) -> None:
