@@ -90,7 +90,7 @@ def tier_stats(llm: Any) -> dict[str, Any]:
 
     sched = llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
     worker = get_kv_transfer_group().offload_worker
-    tier = worker._tier
+    tier = worker.tier
     return {
         "planner": dict(sched.offload_scheduler.planner.stats()),
         "worker": dict(tier.stats()) if tier is not None else {},

@@ -40,7 +40,7 @@ WRITER = textwrap.dedent(
     cfg = offload_config(remote_url={url!r}, remote_namespace={ns!r})
     with engine({model!r}, cfg, **{engine_kw!r}) as llm:
         outputs = generate(llm, prompts)
-        tier = worker_connector().offload_worker._tier
+        tier = worker_connector().offload_worker.tier
         queued = dict(tier.stats())["remote_writes_queued"] if tier is not None else 0
     print("RESULT", json.dumps(dict(reference=reference, outputs=outputs, queued=queued)))
     """
@@ -86,7 +86,7 @@ READER = textwrap.dedent(
             else:
                 outputs = generate(llm, prompts)
             stats = planner_stats(llm)
-            tier = worker_connector().offload_worker._tier
+            tier = worker_connector().offload_worker.tier
             worker = dict(tier.stats()) if tier is not None else {{}}
             log = scheduler_connector(llm).offload_scheduler.event_log
             announced = log.num_resident if log is not None else None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from array import array
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +13,9 @@ from kvoffload._native import (
     TransferEngine,
     WorkerTier,
 )
+from kvoffload.copy_times import CopyTimes
 from kvoffload.cuda_events import CUDA, engine_backend, record_compute_event
+from kvoffload.host_memory import host_memory
 from kvoffload.metadata import (
     KVOffloadHandshake,
     KVOffloadMetadata,
@@ -22,8 +23,9 @@ from kvoffload.metadata import (
     StoreSpec,
 )
 from kvoffload.stat_deltas import CounterDeltas
-from kvoffload.stats import DISK_GAUGES, KVOffloadStats
+from kvoffload.stats import KVOffloadStats
 from kvoffload.vllm_adapter import Region, kv_regions, logger
+from kvoffload.worker_tier import LowerTiers
 
 if TYPE_CHECKING:
     import torch
@@ -37,10 +39,6 @@ if TYPE_CHECKING:
 PREEMPTION_FENCE_TIMEOUT_S = 30.0
 SYNC_LOAD_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 5.0
-#: Copy times kept between two stats reports, per direction (vLLM asks every step).
-MAX_TIMES_PER_REPORT = 4096
-#: How long queued remote writes may take to go out at shutdown.
-REMOTE_DRAIN_S = 1.0
 #: How long a step waits for a store copied within it (KV in host memory) before leaving
 #: it to finish in the background.
 STORE_WITHIN_STEP_TIMEOUT_S = 30.0
@@ -49,23 +47,6 @@ STORE_WITHIN_STEP_TIMEOUT_S = 30.0
 #: the copy thread may still write into the registered KV tensors (and read torch events),
 #: so they are leaked rather than freed under it.
 _LEAKED_ON_SHUTDOWN: list[tuple[Any, ...]] = []
-
-
-def host_memory() -> tuple[int, int] | None:
-    """``(total, available)`` bytes of this machine's memory, from ``/proc/meminfo``;
-    ``None`` where it cannot be read."""
-    fields: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in ("MemTotal", "MemAvailable"):
-                    fields[name] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    if len(fields) != 2:
-        return None
-    return fields["MemTotal"], fields["MemAvailable"]
 
 
 def block_list(raw: bytes) -> list[int]:
@@ -102,13 +83,9 @@ class OffloadWorker:
         remote_layout: dict[str, Any] | None = None,
     ) -> None:
         self._config = config
-        # Remote tier: started over the engine's host memory once it exists; fetch reports
-        # wait here for the next worker metadata, and each store's (hashes, cpu blocks)
-        # until its completion, when the blocks are written behind.
+        # Tiers below the CPU: started over the engine's host memory once it exists.
         self._remote_layout = remote_layout if config.has_lower_tier else None
-        self._tier: WorkerTier | None = None
-        self._fetched: list[tuple[int, int]] = []
-        self._write_back: dict[int, tuple[bytes, bytes]] = {}
+        self._lower = LowerTiers()
         self._faults = config.faults
         # Sized from this rank's own KV tensors in `register_kv_caches`: pipeline stages
         # with uneven layer splits, or a draft model's KV on the last one, make bytes per
@@ -125,10 +102,7 @@ class OffloadWorker:
         self._load_errors: set[int] = set()
         self._sync_loads: list[int] = []
         self._stats = CounterDeltas()
-        # Submission times of the copies in flight, and the copy times of those that ended
-        # since the last report (capped: vLLM drains them every step).
-        self._started: dict[int, float] = {}
-        self._times: dict[str, list[float]] = {"store": [], "load": []}
+        self._times = CopyTimes()
         # CUDA backend: the compute-stream event each in-flight copy waits on, kept alive
         # until the engine reports the copy done (its stream waits on it; see cuda_events).
         self._cuda = False
@@ -140,6 +114,11 @@ class OffloadWorker:
     @property
     def engine(self) -> TransferEngine | None:
         return self._engine
+
+    @property
+    def tier(self) -> WorkerTier | None:
+        """The tiers below the CPU on this rank (``None`` without them)."""
+        return self._lower.tier
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -213,16 +192,7 @@ class OffloadWorker:
             self._engine.backend_detail,
         )
         if self._remote_layout is not None:
-            try:
-                self._tier = WorkerTier(self._engine, self._config, self._remote_layout)
-            except KVOffloadError as e:
-                if self._config.disk is not None:
-                    # A disk tier that cannot open (path, lock, space) is a setup error:
-                    # refused at start, not a silent loss of the tier.
-                    logger.error("KVOffloadConnector worker: %s", e)
-                    raise
-                # Fetches planned for this rank then report nothing filled: recomputed.
-                logger.error("kvoffload: remote tier unavailable on this rank: %s", e)
+            self._lower.start(self._engine, self._config, self._remote_layout)
 
     def handle_preemptions(self, metadata: KVOffloadMetadata) -> None:
         """Waits for in-flight stores reading preempted requests' blocks, which this step's
@@ -235,25 +205,9 @@ class OffloadWorker:
             return
         self._wait(fence, PREEMPTION_FENCE_TIMEOUT_S, "stores of preempted requests")
 
-    def _submit_fetches(self, metadata: KVOffloadMetadata) -> None:
-        for tid, _req_id, hashes, cpu, _first in metadata.fetches:
-            if self._tier is None:
-                self._fetched.append((tid, 0))
-                continue
-            try:
-                self._tier.fetch(tid, hashes, cpu)
-            except KVOffloadError as e:
-                logger.warning("kvoffload: remote fetch %d not started: %s", tid, e)
-                self._fetched.append((tid, 0))
-
-    def _note_store(self, tid: int, metadata: KVOffloadMetadata) -> None:
-        """Keeps what the store's completion must write behind."""
-        if self._tier is not None and self._tier.writes and metadata.store_hashes is not None:
-            self._write_back[tid] = metadata.store_hashes
-
     def submit(self, metadata: KVOffloadMetadata) -> None:
         self._sync_loads = []
-        self._submit_fetches(metadata)
+        self._lower.submit_fetches(metadata)
         if self._engine is None:
             for tid, _req_id, gpu, _cpu, _valid, _sync in metadata.loads:
                 self._fail_load(tid, gpu, "no KV caches registered")
@@ -279,12 +233,12 @@ class OffloadWorker:
                 self._fail_load(tid, gpu, "no CPU hit backs this load")
                 continue
             self._loads[tid] = gpu
-            self._started[tid] = time.perf_counter()
+            self._times.start(tid)
             try:
                 self._engine.submit(tid, False, gpu, cpu, wait_event)
             except KVOffloadError as e:
                 self._loads.pop(tid, None)
-                self._started.pop(tid, None)
+                self._times.cancel(tid)
                 self._fail_load(tid, gpu, str(e))
                 continue
             if event is not None:
@@ -294,8 +248,8 @@ class OffloadWorker:
         if metadata.store is not None:
             tid, gpu, cpu, req_ids = metadata.store
             self._stores[tid] = frozenset(req_ids)
-            self._note_store(tid, metadata)
-            self._started[tid] = time.perf_counter()
+            self._lower.note_store(tid, metadata)
+            self._times.start(tid)
             try:
                 self._engine.submit(tid, True, gpu, cpu, wait_event)
             except KVOffloadError as e:
@@ -350,8 +304,8 @@ class OffloadWorker:
             self._record(tid, False, "no KV caches registered")
             return
         self._stores[tid] = frozenset(req_ids)
-        self._note_store(tid, metadata)
-        self._started[tid] = time.perf_counter()
+        self._lower.note_store(tid, metadata)
+        self._times.start(tid)
         try:
             self._engine.submit(tid, True, gpu, cpu, None)
         except KVOffloadError as e:
@@ -361,8 +315,7 @@ class OffloadWorker:
         self._wait([tid], STORE_WITHIN_STEP_TIMEOUT_S, what)
 
     def poll(self) -> None:
-        if self._tier is not None:
-            self._fetched.extend(self._tier.take_reports())
+        self._lower.poll()
         if self._engine is None:
             return
         for tid, ok, err in self._engine.poll():
@@ -373,25 +326,20 @@ class OffloadWorker:
         return errors
 
     def take_worker_meta(self) -> KVOffloadWorkerMetadata | None:
-        if not self._done_ids and not self._fetched:
+        if not self._done_ids and not self._lower.has_fetched:
             return None
         meta = KVOffloadWorkerMetadata(
-            transfer_ids=self._done_ids, ok=self._done_ok, fetched=self._fetched
+            transfer_ids=self._done_ids, ok=self._done_ok, fetched=self._lower.take_fetched()
         )
-        self._done_ids, self._done_ok, self._fetched = [], [], []
+        self._done_ids, self._done_ok = [], []
         return meta
 
     def stats(self) -> KVOffloadStats | None:
         if self._engine is None or not self._stats.due():
             return None
-        times, self._times = self._times, {"store": [], "load": []}
-        counters = self._engine.stats()
-        gauges = None
-        if self._tier is not None:
-            tier = self._tier.stats()
-            gauges = {k: v for k, v in tier if k in DISK_GAUGES}
-            counters = counters + [(k, v) for k, v in tier if k not in DISK_GAUGES]
-        return self._stats.delta(counters, gauges, times=times)
+        tier_counters, gauges = self._lower.stats()
+        counters = self._engine.stats() + tier_counters
+        return self._stats.delta(counters, gauges, times=self._times.take())
 
     def unregister_kv_caches(self) -> None:
         """vLLM's sleep mode is about to release the KV memory: stops copying to and from
@@ -427,9 +375,7 @@ class OffloadWorker:
         logger.info("kvoffload: KV caches restored after sleep mode; copies resume")
 
     def shutdown(self) -> None:
-        if self._tier is not None:
-            self._tier.shutdown(REMOTE_DRAIN_S)
-            self._tier = None
+        self._lower.shutdown()
         if self._engine is None:
             return
         try:
@@ -457,16 +403,9 @@ class OffloadWorker:
         """One completion reported by the engine: the copy has ended, so its event may go."""
         gpu = self._loads.pop(tid, None)
         store = self._stores.pop(tid, None) is not None
-        write_back = self._write_back.pop(tid, None)
-        if ok and write_back is not None and self._tier is not None:
-            # Before the completion is reported: until then no copy reuses these blocks.
-            self._tier.write_stored(*write_back)
+        self._lower.store_ended(tid, ok)
         self._events.pop(tid, None)
-        started = self._started.pop(tid, None)
-        if ok and started is not None:
-            times = self._times["store" if store else "load"]
-            if len(times) < MAX_TIMES_PER_REPORT:
-                times.append(time.perf_counter() - started)
+        self._times.ended(tid, ok, store)
         if not ok:
             if gpu is not None:
                 self._load_errors.update(block_list(gpu))
