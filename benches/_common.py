@@ -52,6 +52,18 @@ WORKER_METHODS = (
 )
 
 
+def add_chat_args(p: argparse.ArgumentParser, cpu_help: str) -> None:
+    """The returning-users chat workload of the tier TTFT benchmarks (remote, disk), and
+    the engine it runs on."""
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=2000)
+    p.add_argument("--question-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=2, help="vLLM max_num_seqs")
+    p.add_argument("--kv-cache-mib", type=float, default=72, help="vLLM's own KV cache")
+    p.add_argument("--cpu-mib", type=float, default=512, help=cpu_help)
+
+
 def add_output_args(p: argparse.ArgumentParser, smoke: str) -> None:
     """``--json``, ``--log`` (vLLM's log) and ``--smoke`` (``smoke``: what it runs)."""
     p.add_argument("--json", help="write the results here")

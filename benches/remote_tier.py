@@ -35,7 +35,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, describe, machine, write_json
+from _common import REPO, add_chat_args, describe, machine, write_json
 
 sys.path.insert(0, str(REPO / "scripts"))
 from demo import demo_model, quiet
@@ -46,13 +46,7 @@ CLUSTER = REPO / "scripts" / "redis_cluster.sh"
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--users", type=int, default=8)
-    p.add_argument("--system-tokens", type=int, default=2000)
-    p.add_argument("--question-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=2, help="vLLM max_num_seqs")
-    p.add_argument("--kv-cache-mib", type=float, default=72, help="vLLM's own KV cache")
-    p.add_argument("--cpu-mib", type=float, default=512, help="the CPU pool")
+    add_chat_args(p, "the CPU pool")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads")
     p.add_argument("--redis-url", help="an existing cluster (default: start one on loopback)")
