@@ -125,6 +125,23 @@ fn backend_kind(backend: &str, device: i32, cuda_batch: bool) -> PyResult<Backen
     }
 }
 
+/// Each region checked to lie inside the storage of one of `tensors`, on the backend's
+/// device.
+fn checked_regions(
+    regions: Vec<(u64, u32, usize, usize)>,
+    tensors: &[Bound<'_, PyAny>],
+    kind: &BackendKind,
+) -> PyResult<Vec<RegionSpec>> {
+    let allocations = tensors
+        .iter()
+        .map(allocation)
+        .collect::<PyResult<Vec<_>>>()?;
+    regions
+        .into_iter()
+        .map(|region| checked_region(region, &allocations, kind))
+        .collect()
+}
+
 /// A region that lies inside one of `allocations`, on the backend's device.
 fn checked_region(
     (base, n, bytes, stride): (u64, u32, usize, usize),
@@ -246,14 +263,7 @@ impl PyTransferEngine {
         faults: Option<&str>,
     ) -> PyResult<Self> {
         let kind = backend_kind(backend, device, cuda_batch)?;
-        let allocations = tensors
-            .iter()
-            .map(allocation)
-            .collect::<PyResult<Vec<_>>>()?;
-        let specs = regions
-            .into_iter()
-            .map(|region| checked_region(region, &allocations, &kind))
-            .collect::<PyResult<Vec<_>>>()?;
+        let specs = checked_regions(regions, &tensors, &kind)?;
         let inner = open(py, specs, num_cpu_blocks, hugepages, kind.clone(), faults)?;
         Ok(Self {
             inner,
@@ -361,14 +371,7 @@ impl PyTransferEngine {
         regions: Vec<(u64, u32, usize, usize)>,
         tensors: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let allocations = tensors
-            .iter()
-            .map(allocation)
-            .collect::<PyResult<Vec<_>>>()?;
-        let specs = regions
-            .into_iter()
-            .map(|region| checked_region(region, &allocations, &self.kind))
-            .collect::<PyResult<Vec<_>>>()?;
+        let specs = checked_regions(regions, &tensors, &self.kind)?;
         // SAFETY: every region lies in the storage of one of `tensors`, on the backend's
         // device (checked above), and `held` keeps those tensors alive while attached.
         unsafe { self.inner.attach_regions(specs) }.map_err(|e| match e {
