@@ -203,7 +203,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """The config with host memory sized to stage the disk when no CPU budget was
         given (Simple's disk mode): ``disk_buffer_slots`` blocks, or what one request's hit
         needs at once if more (a disk hit goes through CPU blocks before it loads)."""
-        if DISK_HIT_SOURCE is not None:
+        # Host memory only staging the disk (Simple's disk mode): every hit was read from
+        # disk. With a CPU tier in front, most hits are host hits and stay counted so.
+        if DISK_HIT_SOURCE is not None and not config.disk["cpu_in_front"]:
             self._cache_hit_source = DISK_HIT_SOURCE
         blocks = -(
             -int(vllm_config.model_config.max_model_len) // block_size(kv_cache_config, vllm_config)
