@@ -62,6 +62,20 @@ def add_chat_args(p: argparse.ArgumentParser, cpu_help: str) -> None:
     p.add_argument("--concurrency", type=int, default=2, help="vLLM max_num_seqs")
     p.add_argument("--kv-cache-mib", type=float, default=72, help="vLLM's own KV cache")
     p.add_argument("--cpu-mib", type=float, default=512, help=cpu_help)
+    p.add_argument("--max-model-len", type=int, default=4096)
+
+
+def chat_workload(args: argparse.Namespace, model: Any) -> tuple[Any, Any]:
+    """``(Workload, EngineSpec)`` of :func:`add_chat_args`' arguments: every user sends one
+    long document and a question, once (``scripts/demo_runner.py``'s types; the caller has
+    ``scripts`` on ``sys.path``)."""
+    from demo_runner import EngineSpec, Workload
+
+    w = Workload(
+        "unique", args.users, 1, args.system_tokens, args.question_tokens, args.output_tokens
+    )
+    kv_bytes = int(args.kv_cache_mib * 2**20)
+    return w, EngineSpec(model, True, args.max_model_len, args.concurrency, kv_bytes)
 
 
 def add_output_args(p: argparse.ArgumentParser, smoke: str) -> None:

@@ -32,19 +32,18 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, add_chat_args, describe, machine, write_json
-from remote_tier import summary, tier_stats
+from _common import REPO, add_chat_args, chat_workload, describe, machine, write_json
+from remote_tier import compared, tier_stats
 
 sys.path.insert(0, str(REPO / "scripts"))
 from demo import demo_model, quiet
-from demo_runner import EngineSpec, Workload, offload_config, run
+from demo_runner import offload_config, run
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_chat_args(p, "the CPU pool of the cpu run")
     p.add_argument("--disk-mib", type=float, default=512, help="disk_capacity_bytes")
-    p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads")
     p.add_argument("--dir", help="where the disk files go (default: a temp dir)")
     p.add_argument("--json", help="write the results here")
@@ -74,13 +73,7 @@ def main() -> int:
             import torch  # noqa: F401
             import vllm  # noqa: F401  (versions in the machine line)
 
-            w = Workload(
-                "unique", args.users, 1, args.system_tokens, args.question_tokens,
-                args.output_tokens,
-            )  # fmt: skip
-            spec = EngineSpec(
-                model, True, args.max_model_len, args.concurrency, int(args.kv_cache_mib * 2**20)
-            )
+            w, spec = chat_workload(args, model)
             m = machine()
             term.write(f"machine: {describe(m)}\nmodel: {desc}\n")
             runs = {"recompute": run(spec, None, w, vocab)}
@@ -88,18 +81,7 @@ def main() -> int:
             cfg = disk_config(directory, int(args.disk_mib * 2**20))
             run(spec, cfg, w, vocab)
             runs["disk"] = run(spec, cfg, w, vocab, extra=tier_stats)
-            reference = runs["recompute"]["outputs"]
-            results = {
-                name: {**summary(r), "identical": r["outputs"] == reference}
-                for name, r in runs.items()
-            }
-            for name, s in results.items():
-                term.write(
-                    f"{name:>10}: TTFT mean {s['ttft_mean_ms']:8.1f} ms (p50 "
-                    f"{s['ttft_p50_ms']:.0f}, p90 {s['ttft_p90_ms']:.0f}); from kvoffload "
-                    f"{s['connector_hit_tokens']:,}, recomputed {s['recomputed_tokens']:,}; "
-                    f"identical: {'yes' if s['identical'] else 'NO'}\n"
-                )
+            results = compared(runs, term)
             worker = runs["disk"]["extra"]["worker"]
             disk = {k: v for k, v in worker.items() if k.startswith("disk_")}
             ok = all(s["identical"] for s in results.values())

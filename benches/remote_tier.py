@@ -35,11 +35,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, add_chat_args, describe, machine, write_json
+from _common import REPO, add_chat_args, chat_workload, describe, machine, write_json
 
 sys.path.insert(0, str(REPO / "scripts"))
 from demo import demo_model, quiet
-from demo_runner import EngineSpec, Workload, offload_config, run
+from demo_runner import offload_config, run
 
 CLUSTER = REPO / "scripts" / "redis_cluster.sh"
 
@@ -47,7 +47,6 @@ CLUSTER = REPO / "scripts" / "redis_cluster.sh"
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_chat_args(p, "the CPU pool")
-    p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads")
     p.add_argument("--redis-url", help="an existing cluster (default: start one on loopback)")
     p.add_argument("--json", help="write the results here")
@@ -122,6 +121,24 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def compared(runs: dict[str, dict[str, Any]], term: Any) -> dict[str, dict[str, Any]]:
+    """Each run's :func:`summary`, with whether its outputs equal the ``"recompute"``
+    run's, each written as a line to ``term``."""
+    reference = runs["recompute"]["outputs"]
+    results = {
+        name: {**summary(r), "identical": r["outputs"] == reference} for name, r in runs.items()
+    }
+    for name, s in results.items():
+        term.write(
+            f"{name:>10}: TTFT mean {s['ttft_mean_ms']:8.1f} ms (p50 "
+            f"{s['ttft_p50_ms']:.0f}, p90 {s['ttft_p90_ms']:.0f}); prompt tokens "
+            f"{s['prompt_tokens']:,}: from kvoffload {s['connector_hit_tokens']:,}, "
+            f"recomputed {s['recomputed_tokens']:,}; identical: "
+            f"{'yes' if s['identical'] else 'NO'}\n"
+        )
+    return results
+
+
 def main() -> int:
     args = parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -136,13 +153,7 @@ def main() -> int:
             import torch  # noqa: F401
             import vllm  # noqa: F401  (versions in the machine line)
 
-            w = Workload(
-                "unique", args.users, 1, args.system_tokens, args.question_tokens,
-                args.output_tokens,
-            )  # fmt: skip
-            spec = EngineSpec(
-                model, True, args.max_model_len, args.concurrency, int(args.kv_cache_mib * 2**20)
-            )
+            w, spec = chat_workload(args, model)
             cpu = int(args.cpu_mib * 2**20)
             namespace = f"bench-{os.getpid()}-{time.time_ns()}"
             m = machine()
@@ -156,19 +167,7 @@ def main() -> int:
                 spec, remote_config(cpu, url, namespace), w, vocab, extra=tier_stats
             )
             term.write("remote done\n")
-            reference = runs["recompute"]["outputs"]
-            results = {
-                name: {**summary(r), "identical": r["outputs"] == reference}
-                for name, r in runs.items()
-            }
-            for name, s in results.items():
-                term.write(
-                    f"{name:>10}: TTFT mean {s['ttft_mean_ms']:8.1f} ms (p50 "
-                    f"{s['ttft_p50_ms']:.0f}, p90 {s['ttft_p90_ms']:.0f}); prompt tokens "
-                    f"{s['prompt_tokens']:,}: from kvoffload {s['connector_hit_tokens']:,}, "
-                    f"recomputed {s['recomputed_tokens']:,}; identical: "
-                    f"{'yes' if s['identical'] else 'NO'}\n"
-                )
+            results = compared(runs, term)
             fetch = fetch_figures(runs["remote"])
             term.write(
                 f"remote fetches: {fetch['fetch_bytes']:,} bytes in "
