@@ -21,6 +21,9 @@ cargo fmt --all -- --check
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
+step "module cycles (none in any crate)"
+python3 scripts/module_cycles.py
+
 step "cargo test (unit, property and doc tests)"
 cargo test --workspace
 

@@ -26,32 +26,10 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::engine::TransferEngine;
 use super::region::RegionSpec;
-
-/// The regions copies may use now, or `None` while detached.
-#[derive(Debug, Default)]
-pub(crate) struct Attachment(Mutex<Option<Arc<[RegionSpec]>>>);
-
-impl Attachment {
-    /// The regions to copy with, or `None` while detached. A copy started with them keeps
-    /// its job unfinished, so a concurrent detach waits for it.
-    pub(crate) fn current(&self) -> Option<Arc<[RegionSpec]>> {
-        self.lock().clone()
-    }
-
-    pub(crate) fn set(&self, regions: Option<Arc<[RegionSpec]>>) {
-        *self.lock() = regions;
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Arc<[RegionSpec]>>> {
-        // A plain value swapped whole: a panic elsewhere cannot leave it half written.
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
 
 /// Why [`TransferEngine::detach_regions`] could not vouch that no copy touches the regions.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

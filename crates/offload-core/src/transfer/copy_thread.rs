@@ -45,14 +45,6 @@ enum Next {
     Stop,
 }
 
-/// The lane of a direction: loads first, so that scanning lanes in order favours them.
-pub(crate) fn lane(direction: Direction) -> usize {
-    match direction {
-        Direction::Load => 0,
-        Direction::Store => 1,
-    }
-}
-
 /// The channels of one engine, as the copy thread sees them: jobs in (one queue per lane),
 /// the stop request, completions out, and a sender dropped when the thread exits.
 pub(crate) type Channels = (
@@ -334,7 +326,7 @@ impl<B: CopyBackend> CopyThread<B> {
 
     fn push(&mut self, job: &TransferJob, state: PendingState) {
         let blocks = job.pairs.len() as u64;
-        self.outstanding[lane(job.direction)].push_back(Pending {
+        self.outstanding[job.direction.lane()].push_back(Pending {
             id: job.id,
             direction: job.direction,
             blocks,

@@ -28,7 +28,7 @@ use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, 
 
 use super::backend::CopyBackend;
 use super::config::{BackendKind, TransferConfig};
-use super::copy_thread::{lane, CopyThread};
+use super::copy_thread::CopyThread;
 use super::cuda::CudaCopyBackend;
 use super::error::{
     BlockAccessError, BuildError, ReadyError, ShutdownError, SubmitError, WaitError,
@@ -221,7 +221,7 @@ impl TransferEngine {
             return Err(SubmitError::DuplicateJobId { id });
         }
         self.shared.unfinished.fetch_add(1, Ordering::AcqRel);
-        let refused = match jobs[lane(job.direction)].try_send(job) {
+        let refused = match jobs[job.direction.lane()].try_send(job) {
             Ok(()) => {
                 self.shared.counters.submitted();
                 return Ok(());

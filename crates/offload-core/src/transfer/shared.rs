@@ -1,9 +1,9 @@
 //! State shared by the engine handle and its copy thread.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use super::attachment::Attachment;
+use super::region::RegionSpec;
 use super::stats::Counters;
 
 #[derive(Debug, Default)]
@@ -20,7 +20,7 @@ pub(crate) struct Shared {
     /// touches host memory.
     pub(crate) unfinished: AtomicU64,
     pub(crate) counters: Counters,
-    /// The device regions copies use; `None` while detached (see `attachment`).
+    /// The device regions copies use; `None` while detached (see `TransferEngine::detach_regions`).
     pub(crate) attachment: Attachment,
 }
 
@@ -40,5 +40,26 @@ impl Shared {
 
     pub(crate) fn unfinished(&self) -> u64 {
         self.unfinished.load(Ordering::Acquire)
+    }
+}
+
+/// The regions copies may use now, or `None` while detached.
+#[derive(Debug, Default)]
+pub(crate) struct Attachment(Mutex<Option<Arc<[RegionSpec]>>>);
+
+impl Attachment {
+    /// The regions to copy with, or `None` while detached. A copy started with them keeps
+    /// its job unfinished, so a concurrent detach waits for it.
+    pub(crate) fn current(&self) -> Option<Arc<[RegionSpec]>> {
+        self.lock().clone()
+    }
+
+    pub(crate) fn set(&self, regions: Option<Arc<[RegionSpec]>>) {
+        *self.lock() = regions;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Arc<[RegionSpec]>>> {
+        // A plain value swapped whole: a panic elsewhere cannot leave it half written.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }

@@ -11,6 +11,17 @@ pub enum Direction {
     Load,
 }
 
+impl Direction {
+    /// The lane of a direction (its queue, its jobs in flight and, on CUDA, its stream):
+    /// loads first, so that scanning lanes in order favours them.
+    pub(crate) fn lane(self) -> usize {
+        match self {
+            Self::Load => 0,
+            Self::Store => 1,
+        }
+    }
+}
+
 impl std::fmt::Display for Direction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

@@ -6,49 +6,25 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::super::copy_thread::lane;
 use super::super::{BackendError, CopyBackend, CopyRun, Direction, Ticket};
 use super::driver::{Api, CudaDriver};
-use super::enqueue::{build_descriptors, Descriptor};
+use super::enqueue::Copies;
+use super::options::CudaOptions;
 use super::sys::{self, CUresult};
-use super::{version_text, BatchApi, CudaError, DEFAULT_PIN_CHUNK_BYTES, PIN_CHUNK_ALIGN};
-
-/// Settings of a [`CudaCopyBackend`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CudaOptions {
-    /// Device ordinal (as PyTorch numbers it: `tensor.device.index`) whose primary context
-    /// is used.
-    pub device: i32,
-    /// Use `cuMemcpyBatchAsync` when the driver has it; `false` forces the `cuMemcpyAsync`
-    /// loop (for comparisons).
-    pub allow_batch: bool,
-    /// Most bytes pinned by one `cuMemHostRegister` call; a multiple of
-    /// [`PIN_CHUNK_ALIGN`]. Copies never cross a chunk boundary on the host side.
-    pub pin_chunk_bytes: usize,
-}
-
-impl Default for CudaOptions {
-    fn default() -> Self {
-        Self {
-            device: 0,
-            allow_batch: true,
-            pin_chunk_bytes: DEFAULT_PIN_CHUNK_BYTES,
-        }
-    }
-}
+use super::{version_text, BatchApi, CudaError};
 
 /// A driver handle (context, stream, event) stored as an address so the backend is `Send`:
 /// the handles are opaque tokens the driver accepts from any thread whose current context
 /// owns them (the copy thread, once attached).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Handle(usize);
+struct Handle(usize);
 
 impl Handle {
     fn from_ptr(p: *mut c_void) -> Self {
         Self(p as usize)
     }
 
-    pub(super) fn ptr(self) -> *mut c_void {
+    fn ptr(self) -> *mut c_void {
         self.0 as *mut c_void
     }
 }
@@ -57,7 +33,7 @@ impl Handle {
 #[derive(Debug, Default)]
 struct Attached {
     context_retained: bool,
-    /// The load stream and the store stream (see [`lane`]).
+    /// The load stream and the store stream (in lane order, see `Direction::lane`).
     streams: Option<[Handle; 2]>,
     /// `(base, len)` of every successful `cuMemHostRegister`.
     pinned: Vec<(u64, usize)>,
@@ -76,10 +52,10 @@ struct InFlight {
 /// A [`CopyBackend`] over the CUDA driver. See the [module docs](super).
 #[derive(Debug)]
 pub struct CudaCopyBackend {
-    pub(super) driver: Arc<CudaDriver>,
+    driver: Arc<CudaDriver>,
     options: CudaOptions,
     device: sys::CUdevice,
-    pub(super) batch: BatchApi,
+    batch: BatchApi,
     attached: Attached,
     /// `(base, len)` of the engine's host memory, once attached.
     host: Option<(u64, usize)>,
@@ -88,10 +64,7 @@ pub struct CudaCopyBackend {
     /// The event the next `submit` waits for (see `wait_event`).
     pending_wait: Option<Handle>,
     next_ticket: u64,
-    pub(super) descriptors: Vec<Descriptor>,
-    pub(super) dsts: Vec<u64>,
-    pub(super) srcs: Vec<u64>,
-    pub(super) sizes: Vec<usize>,
+    copies: Copies,
 }
 
 impl CudaCopyBackend {
@@ -99,20 +72,7 @@ impl CudaCopyBackend {
     /// (`cuDeviceGet`) now, so a bad device fails at start; touches no context until
     /// `attach` runs on the copy thread.
     pub fn new(driver: Arc<CudaDriver>, options: CudaOptions) -> Result<Self, CudaError> {
-        if options.pin_chunk_bytes == 0 || options.pin_chunk_bytes % PIN_CHUNK_ALIGN != 0 {
-            return Err(CudaError::InvalidOption {
-                field: "pin_chunk_bytes",
-                value: options.pin_chunk_bytes.to_string(),
-                reason: "must be a positive multiple of 4096",
-            });
-        }
-        if options.device < 0 {
-            return Err(CudaError::InvalidOption {
-                field: "device",
-                value: options.device.to_string(),
-                reason: "must be >= 0",
-            });
-        }
+        options.validate()?;
         let mut device: sys::CUdevice = 0;
         // SAFETY: `device` is a valid out-pointer; the ordinal is passed by value.
         let rc = unsafe { (driver.api.device_get)(&mut device, options.device) };
@@ -133,10 +93,7 @@ impl CudaCopyBackend {
             free_events: Vec::new(),
             pending_wait: None,
             next_ticket: 0,
-            descriptors: Vec::new(),
-            dsts: Vec::new(),
-            srcs: Vec::new(),
-            sizes: Vec::new(),
+            copies: Copies::default(),
         })
     }
 
@@ -155,7 +112,7 @@ impl CudaCopyBackend {
         &self.driver
     }
 
-    pub(super) fn api(&self) -> &Api {
+    fn api(&self) -> &Api {
         &self.driver.api
     }
 
@@ -166,7 +123,7 @@ impl CudaCopyBackend {
     fn stream(&self, direction: Direction) -> Result<Handle, BackendError> {
         self.attached
             .streams
-            .map(|streams| streams[lane(direction)])
+            .map(|streams| streams[direction.lane()])
             .ok_or_else(|| BackendError::job("cuda backend used before attach succeeded"))
     }
 
@@ -303,6 +260,17 @@ impl CudaCopyBackend {
     }
 }
 
+/// A sticky error poisons the context, so it stops the engine; any other fails its job.
+impl From<CudaError> for BackendError {
+    fn from(err: CudaError) -> Self {
+        if err.is_sticky() {
+            BackendError::fatal(err.to_string())
+        } else {
+            BackendError::job(err.to_string())
+        }
+    }
+}
+
 impl CopyBackend for CudaCopyBackend {
     fn name(&self) -> &'static str {
         "cuda"
@@ -356,20 +324,18 @@ impl CopyBackend for CudaCopyBackend {
         let host = self
             .host
             .map(|(base, len)| (base, len, self.options.pin_chunk_bytes));
-        let mut descriptors = std::mem::take(&mut self.descriptors);
-        build_descriptors(runs, direction, host, &mut descriptors);
-        self.descriptors = descriptors;
-        let copied = if self.descriptors.is_empty() {
+        self.copies.build(runs, direction, host);
+        let copied = if self.copies.is_empty() {
             Ok(())
         } else {
-            // SAFETY: the descriptors cover exactly the bytes of `runs`, for which our caller
-            // upholds `submit`'s contract.
-            unsafe { self.enqueue(stream) }
+            // SAFETY: the copies cover exactly the bytes of `runs`, for which our caller
+            // upholds `submit`'s contract; the stream is ours, in our current context.
+            unsafe { self.copies.enqueue(&self.driver, self.batch, stream.ptr()) }
         };
         // From here on some of the job's copies may be on the stream. The engine reports a
         // job (failed or not) as soon as this returns an error, and its caller then reuses
         // the blocks, so every error path below first waits for the stream to drain.
-        let enqueued = !self.descriptors.is_empty();
+        let enqueued = !self.copies.is_empty();
         let deferred = match copied {
             Ok(()) => None,
             Err(err) if err.is_sticky() => {

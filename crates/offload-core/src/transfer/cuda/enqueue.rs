@@ -1,35 +1,67 @@
-//! Turning a job's runs into driver copies and enqueueing them on the backend's stream.
+//! Turning a job's runs into driver copies and enqueueing them on a stream. Knows the
+//! driver, not the backend that owns the stream.
 
 use super::super::{CopyRun, Direction};
-use super::backend::{CudaCopyBackend, Handle};
+use super::driver::CudaDriver;
 use super::sys;
 use super::{BatchApi, CudaError, MAX_BATCH_COPIES};
 
 /// One copy as handed to the driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Descriptor {
-    pub(super) src: u64,
-    pub(super) dst: u64,
-    pub(super) len: usize,
+struct Descriptor {
+    src: u64,
+    dst: u64,
+    len: usize,
 }
 
-impl CudaCopyBackend {
-    /// Enqueues the copies in `self.descriptors` on `stream`: batch calls of at most
+/// One job's copies as the driver takes them, and the arrays a batch call reads them from;
+/// kept between jobs so that a submit allocates nothing once they have grown.
+#[derive(Debug, Default)]
+pub(super) struct Copies {
+    descriptors: Vec<Descriptor>,
+    dsts: Vec<u64>,
+    srcs: Vec<u64>,
+    sizes: Vec<usize>,
+}
+
+impl Copies {
+    /// Replaces the copies with those of `runs` (see [`build_descriptors`]).
+    pub(super) fn build(
+        &mut self,
+        runs: &[CopyRun],
+        direction: Direction,
+        host: Option<(u64, usize, usize)>,
+    ) {
+        build_descriptors(runs, direction, host, &mut self.descriptors);
+    }
+
+    /// Whether the job copies no byte.
+    pub(super) fn is_empty(&self) -> bool {
+        self.descriptors.is_empty()
+    }
+
+    /// Enqueues the copies on `stream` with `batch`: batch calls of at most
     /// [`MAX_BATCH_COPIES`], or one `cuMemcpyAsync` each. On failure, copies before the
     /// failing one may be enqueued.
     ///
     /// # Safety
     ///
-    /// The descriptors must satisfy [`CopyBackend::submit`]'s contract.
-    pub(super) unsafe fn enqueue(&mut self, stream: Handle) -> Result<(), CudaError> {
-        let api = *self.api();
-        match self.batch {
+    /// The copies must satisfy [`CopyBackend::submit`](super::super::CopyBackend::submit)'s
+    /// contract, and `stream` must be a live stream of `driver`'s current context.
+    pub(super) unsafe fn enqueue(
+        &mut self,
+        driver: &CudaDriver,
+        batch: BatchApi,
+        stream: sys::CUstream,
+    ) -> Result<(), CudaError> {
+        let api = driver.api;
+        match batch {
             BatchApi::Unavailable => {
                 for (i, d) in self.descriptors.iter().enumerate() {
                     // SAFETY: the caller vouches for the addresses; the stream is ours.
-                    let rc = unsafe { (api.memcpy_async)(d.dst, d.src, d.len, stream.ptr()) };
+                    let rc = unsafe { (api.memcpy_async)(d.dst, d.src, d.len, stream) };
                     if rc != sys::CUDA_SUCCESS {
-                        return Err(self.driver.error(
+                        return Err(driver.error(
                             format!(
                                 "cuMemcpyAsync (copy {i} of {}, {} bytes)",
                                 self.descriptors.len(),
@@ -77,7 +109,7 @@ impl CudaCopyBackend {
                             self.sizes.as_mut_ptr().add(start),
                         )
                     };
-                    let rc = match (self.batch, api.memcpy_batch_v1, api.memcpy_batch_v2) {
+                    let rc = match (batch, api.memcpy_batch_v1, api.memcpy_batch_v2) {
                         // SAFETY: the three pointers address `n` entries each and
                         // `attrs`/`attr_idx` one each, all alive for the call (the driver
                         // copies them before returning); the caller vouches for the
@@ -92,7 +124,7 @@ impl CudaCopyBackend {
                                 attr_idx.as_mut_ptr(),
                                 1,
                                 &mut fail_idx,
-                                stream.ptr(),
+                                stream,
                             )
                         },
                         // SAFETY: as above.
@@ -105,7 +137,7 @@ impl CudaCopyBackend {
                                 attrs.as_mut_ptr(),
                                 attr_idx.as_mut_ptr(),
                                 1,
-                                stream.ptr(),
+                                stream,
                             )
                         },
                         // `choose_batch_api` only picks a variant whose symbol resolved.
@@ -117,10 +149,10 @@ impl CudaCopyBackend {
                         } else {
                             String::new()
                         };
-                        return Err(self.driver.error(
+                        return Err(driver.error(
                             format!(
                                 "{} (copies {start}..{} of {count}{at})",
-                                self.batch.symbol(),
+                                batch.symbol(),
                                 start + n
                             ),
                             rc,
@@ -136,7 +168,7 @@ impl CudaCopyBackend {
 /// Turns `runs` into driver copies: merges runs adjacent on both sides, and splits at the
 /// boundaries of the host memory's pinned chunks (`host`: base, length, chunk size), since
 /// one DMA must not span two registrations. Zero-length runs are dropped.
-pub(super) fn build_descriptors(
+fn build_descriptors(
     runs: &[CopyRun],
     direction: Direction,
     host: Option<(u64, usize, usize)>,
