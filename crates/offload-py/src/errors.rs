@@ -1,5 +1,7 @@
-//! Python exception classes, one per core error kind, all under `KVOffloadError`.
+//! Python exception classes, one per core error kind, all under `KVOffloadError`, and the
+//! mapping of each core error to its class.
 
+use offload_core::transfer::{BlockAccessError, BuildError, ReadyError, SubmitError};
 use offload_core::{ConfigError, PlanError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -163,5 +165,48 @@ pub(crate) fn plan_err(e: PlanError) -> PyErr {
         PlanError::UnknownTransfer(_) => UNKNOWN_TRANSFER_ERROR.err(msg),
         PlanError::BadHash { .. } => INVALID_INPUT_ERROR.err(msg),
         _ => KVOFFLOAD_ERROR.err(msg),
+    }
+}
+
+/// Maps an engine construction error to its class.
+pub(crate) fn build_err(e: BuildError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        BuildError::InvalidConfig { .. } => INVALID_INPUT_ERROR.err(msg),
+        BuildError::Memory(_) => HOST_MEMORY_ERROR.err(msg),
+        BuildError::Cuda(_) => DEVICE_ERROR.err(msg),
+        _ => TRANSFER_ERROR.err(msg),
+    }
+}
+
+/// Maps a refused submit to its class.
+pub(crate) fn submit_err(e: SubmitError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        SubmitError::DuplicateJobId { .. } => INVALID_INPUT_ERROR.err(msg),
+        SubmitError::QueueFull { .. } => QUEUE_FULL_ERROR.err(msg),
+        SubmitError::Shutdown { .. } => ENGINE_SHUTDOWN_ERROR.err(msg),
+        SubmitError::Detached { .. } => TRANSFER_ERROR.err(msg),
+        _ => DEVICE_ERROR.err(msg),
+    }
+}
+
+/// Maps a refused host-block access to its class.
+pub(crate) fn block_err(e: BlockAccessError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        BlockAccessError::NoSuchRegion { .. } | BlockAccessError::InvalidBlock { .. } => {
+            INVALID_INPUT_ERROR.err(msg)
+        }
+        _ => TRANSFER_ERROR.err(msg),
+    }
+}
+
+/// Maps a `wait_ready` failure to its class.
+pub(crate) fn ready_err(e: ReadyError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        ReadyError::NotReady { .. } => TRANSFER_ERROR.err(msg),
+        _ => DEVICE_ERROR.err(msg),
     }
 }

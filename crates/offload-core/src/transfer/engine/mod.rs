@@ -18,45 +18,30 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::collections::{HashSet, VecDeque};
+mod cpu_blocks;
+mod jobs;
+
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, TrySendError};
+use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
 
 use super::backend::CopyBackend;
 use super::config::{BackendKind, TransferConfig};
 use super::copy_thread::CopyThread;
 use super::cuda::CudaCopyBackend;
-use super::error::{
-    BlockAccessError, BuildError, ReadyError, ShutdownError, SubmitError, WaitError,
-};
+use super::error::{BuildError, ReadyError, ShutdownError};
 use super::fault::FaultInjector;
 use super::host::HostCopyBackend;
-use super::host_blocks::HostBlocks;
 use super::layout::Layout;
 use super::region::RegionSpec;
 use super::shared::Shared;
 use super::stats::TransferStats;
 use super::types::{Completion, TransferJob};
 use crate::memory::HostMemory;
-
-/// Completions received from the copy thread but not yet handed to the caller, and the ids
-/// of jobs whose completion has not been received yet.
-#[derive(Debug, Default)]
-struct Inbox {
-    in_flight: HashSet<u64>,
-    parked: VecDeque<Completion>,
-}
-
-impl Inbox {
-    fn receive(&mut self, completion: Completion) {
-        self.in_flight.remove(&completion.id);
-        self.parked.push_back(completion);
-    }
-}
+use jobs::Inbox;
 
 /// Moves KV blocks between device regions and its own host memory on one copy thread.
 ///
@@ -200,142 +185,6 @@ impl TransferEngine {
         })
     }
 
-    /// Queues a job without blocking. On error the job was not queued and nothing of it will
-    /// be copied or completed. An accepted job always gets exactly one [`Completion`], even
-    /// when it is invalid (validation happens on the copy thread).
-    pub fn submit(&self, job: TransferJob) -> Result<(), SubmitError> {
-        let id = job.id;
-        if let Some(reason) = self.shared.stopped() {
-            return Err(SubmitError::Stopped {
-                id,
-                reason: reason.to_owned(),
-            });
-        }
-        let Some(jobs) = self.jobs.as_ref() else {
-            return Err(SubmitError::Shutdown { id });
-        };
-        if !self.is_attached() {
-            return Err(SubmitError::Detached { id });
-        }
-        if !self.lock_inbox().in_flight.insert(id) {
-            return Err(SubmitError::DuplicateJobId { id });
-        }
-        self.shared.unfinished.fetch_add(1, Ordering::AcqRel);
-        let refused = match jobs[job.direction.lane()].try_send(job) {
-            Ok(()) => {
-                self.shared.counters.submitted();
-                return Ok(());
-            }
-            Err(TrySendError::Full(_)) => SubmitError::QueueFull {
-                id,
-                capacity: self.queue_capacity,
-            },
-            Err(TrySendError::Disconnected(_)) => match self.shared.stopped() {
-                Some(reason) => SubmitError::Stopped {
-                    id,
-                    reason: reason.to_owned(),
-                },
-                None => SubmitError::Shutdown { id },
-            },
-        };
-        self.lock_inbox().in_flight.remove(&id);
-        self.shared.unfinished.fetch_sub(1, Ordering::AcqRel);
-        Err(refused)
-    }
-
-    /// Appends every completion received so far to `out`, without blocking.
-    pub fn poll_completions(&self, out: &mut Vec<Completion>) {
-        let mut inbox = self.lock_inbox();
-        out.extend(inbox.parked.drain(..));
-        while let Ok(completion) = self.completions.try_recv() {
-            inbox.in_flight.remove(&completion.id);
-            out.push(completion);
-        }
-    }
-
-    /// Blocks until every job in `ids` has completed, and returns their completions (in
-    /// completion order). Completions of other jobs received meanwhile stay available to
-    /// [`poll_completions`](Self::poll_completions).
-    ///
-    /// An id that is not in flight (never submitted, or its completion was already returned)
-    /// counts as complete and contributes nothing to the result: this is a fence, not a
-    /// lookup.
-    ///
-    /// When `timeout` passes first, the engine **stops for good** and the call keeps waiting
-    /// until the copies already running have ended; only then does it return, with every
-    /// awaited job that had not completed reported as failed ([`JobError::Stopped`]). A
-    /// caller that gives up on a copy must be able to reuse its memory, and a copy on a
-    /// device cannot be cancelled: reporting the job before the copy ends would let a late
-    /// load overwrite a block the server has handed to another request, or publish a store
-    /// whose source was overwritten while it was read. Waiting longer with the blocks held
-    /// would keep the server's step blocked on a device that is already too slow, so the
-    /// engine stops instead: jobs still queued fail without copying, later submits fail with
-    /// [`SubmitError::Stopped`], and the server recomputes. The call can therefore block past
-    /// `timeout` for as long as the device takes to finish its running copies.
-    ///
-    /// [`JobError::Stopped`]: super::JobError::Stopped
-    pub fn wait_for(&self, ids: &[u64], timeout: Duration) -> Result<Vec<Completion>, WaitError> {
-        // `None`: the timeout is too long to represent, i.e. wait forever.
-        let deadline = Instant::now().checked_add(timeout);
-        let mut timed_out = false;
-        let mut waiting: Vec<u64> = ids.to_vec();
-        waiting.sort_unstable();
-        waiting.dedup();
-        let mut found = Vec::new();
-        loop {
-            {
-                let mut inbox = self.lock_inbox();
-                while let Ok(completion) = self.completions.try_recv() {
-                    inbox.receive(completion);
-                }
-                let parked = std::mem::take(&mut inbox.parked);
-                for completion in parked {
-                    if waiting.binary_search(&completion.id).is_ok() {
-                        found.push(completion);
-                    } else {
-                        inbox.parked.push_back(completion);
-                    }
-                }
-                waiting.retain(|id| inbox.in_flight.contains(id));
-                if waiting.is_empty() {
-                    return Ok(found);
-                }
-            }
-            if !timed_out && deadline.is_some_and(|d| Instant::now() >= d) {
-                timed_out = true;
-                self.shared.stop(format!(
-                    "a wait for {} job(s) (first id {}) timed out after {} ms; waiting for the \
-                     copies already running to end before reporting them failed",
-                    waiting.len(),
-                    waiting[0],
-                    timeout.as_millis()
-                ));
-            }
-            let slice = match deadline {
-                Some(d) if !timed_out => d.saturating_duration_since(Instant::now()),
-                _ => WAIT_SLICE,
-            };
-            match self.completions.recv_timeout(slice.min(WAIT_SLICE)) {
-                Ok(completion) => self.lock_inbox().receive(completion),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    // The copy thread is gone without completing these jobs: only a panic in
-                    // the engine itself does that, and then nothing copies any more.
-                    let err = WaitError::CopyThreadGone {
-                        waiting: waiting.len(),
-                        first: waiting[0],
-                        reason: self.shared.stopped().unwrap_or("shut down").to_owned(),
-                    };
-                    let mut inbox = self.lock_inbox();
-                    for completion in found.into_iter().rev() {
-                        inbox.parked.push_front(completion);
-                    }
-                    return Err(err);
-                }
-            }
-        }
-    }
-
     /// Stops the copy thread: jobs still queued complete with
     /// [`JobError::Shutdown`](super::JobError::Shutdown), jobs already handed to the backend
     /// are waited for. Returns once the thread has exited, or with a [`ShutdownError`] after
@@ -454,72 +303,6 @@ impl TransferEngine {
     /// [`wait_for`](Self::wait_for)), or `None` while it works.
     pub fn stopped(&self) -> Option<&str> {
         self.shared.stopped()
-    }
-
-    /// Whole CPU blocks of this engine's host memory, for callers outside the copy thread
-    /// (the remote tier); see [`HostBlocks`] for who may touch which block when.
-    pub fn host_blocks(&self) -> HostBlocks {
-        HostBlocks::new(Arc::clone(&self.layout), Arc::clone(&self.memory))
-    }
-
-    /// The bytes of CPU block `cpu_id` of region `region`, for tests and debugging.
-    ///
-    /// `&mut self` keeps new jobs from being submitted while the slice lives, and the call
-    /// fails with [`BlockAccessError::Busy`] while any job is in flight, so the copy thread
-    /// cannot be touching the bytes.
-    pub fn cpu_block_slice(
-        &mut self,
-        region: usize,
-        cpu_id: u32,
-    ) -> Result<&[u8], BlockAccessError> {
-        let (ptr, len) = self.idle_block(region, cpu_id)?;
-        // SAFETY: `idle_block` checked the block lies inside our mapping and that no job is in
-        // flight; `&mut self` prevents new ones until the borrow ends.
-        Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
-    }
-
-    /// Mutable access to the bytes of CPU block `cpu_id` of region `region`, for tests and
-    /// debugging. Same conditions as [`cpu_block_slice`](Self::cpu_block_slice).
-    pub fn cpu_block_slice_mut(
-        &mut self,
-        region: usize,
-        cpu_id: u32,
-    ) -> Result<&mut [u8], BlockAccessError> {
-        let (ptr, len) = self.idle_block(region, cpu_id)?;
-        // SAFETY: as in `cpu_block_slice`; `&mut self` also makes this the only slice.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, len) })
-    }
-
-    fn idle_block(&self, region: usize, cpu_id: u32) -> Result<(*mut u8, usize), BlockAccessError> {
-        let layout = &self.layout;
-        let spec = layout
-            .regions
-            .get(region)
-            .ok_or(BlockAccessError::NoSuchRegion {
-                region,
-                count: layout.regions.len(),
-            })?;
-        if cpu_id >= layout.num_cpu_blocks {
-            return Err(BlockAccessError::InvalidBlock {
-                id: cpu_id,
-                limit: layout.num_cpu_blocks,
-            });
-        }
-        let unfinished = self.shared.unfinished();
-        if unfinished != 0 {
-            return Err(BlockAccessError::Busy { unfinished });
-        }
-        let offset = layout.cpu_offsets[region] + cpu_id as usize * spec.block_bytes();
-        // SAFETY: `offset + block_bytes <= host_len` by the layout's construction, so the
-        // pointer stays inside the mapping.
-        let ptr = unsafe { self.memory.as_mut_ptr().add(offset) };
-        Ok((ptr, spec.block_bytes()))
-    }
-
-    fn lock_inbox(&self) -> MutexGuard<'_, Inbox> {
-        // The inbox holds plain data that every critical section leaves consistent, so a
-        // panic elsewhere while holding it does not corrupt it.
-        self.inbox.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

@@ -1,64 +1,24 @@
 //! The `TransferEngine` class: the worker side's copy engine.
 
+mod regions;
+
 use std::time::Duration;
 
 use offload_core::transfer::{
-    AttachError, BackendKind, BlockAccessError, BuildError, Completion, CudaOptions, Direction,
-    FaultPlan, ReadyError, RegionSpec, SubmitError, TransferConfig, TransferEngine, TransferJob,
+    AttachError, BackendKind, Completion, CudaOptions, Direction, FaultPlan, RegionSpec,
+    TransferConfig, TransferEngine, TransferJob,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::{
-    config_err, DEVICE_ERROR, ENGINE_SHUTDOWN_ERROR, HOST_MEMORY_ERROR, INVALID_INPUT_ERROR,
-    QUEUE_FULL_ERROR, TRANSFER_ERROR,
+    block_err, build_err, config_err, ready_err, submit_err, DEVICE_ERROR, ENGINE_SHUTDOWN_ERROR,
+    INVALID_INPUT_ERROR, TRANSFER_ERROR,
 };
+use regions::checked_regions;
 
 /// `(transfer_id, ok, error message or None)`.
 type CompletionTuple = (u64, bool, Option<String>);
-
-/// Maps an engine construction error to its class.
-fn build_err(e: BuildError) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        BuildError::InvalidConfig { .. } => INVALID_INPUT_ERROR.err(msg),
-        BuildError::Memory(_) => HOST_MEMORY_ERROR.err(msg),
-        BuildError::Cuda(_) => DEVICE_ERROR.err(msg),
-        _ => TRANSFER_ERROR.err(msg),
-    }
-}
-
-/// Maps a refused submit to its class.
-fn submit_err(e: SubmitError) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        SubmitError::DuplicateJobId { .. } => INVALID_INPUT_ERROR.err(msg),
-        SubmitError::QueueFull { .. } => QUEUE_FULL_ERROR.err(msg),
-        SubmitError::Shutdown { .. } => ENGINE_SHUTDOWN_ERROR.err(msg),
-        SubmitError::Detached { .. } => TRANSFER_ERROR.err(msg),
-        _ => DEVICE_ERROR.err(msg),
-    }
-}
-
-/// Maps a refused host-block access to its class.
-fn block_err(e: BlockAccessError) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        BlockAccessError::NoSuchRegion { .. } | BlockAccessError::InvalidBlock { .. } => {
-            INVALID_INPUT_ERROR.err(msg)
-        }
-        _ => TRANSFER_ERROR.err(msg),
-    }
-}
-
-/// Maps a `wait_ready` failure to its class.
-fn ready_err(e: ReadyError) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        ReadyError::NotReady { .. } => TRANSFER_ERROR.err(msg),
-        _ => DEVICE_ERROR.err(msg),
-    }
-}
 
 /// Copies KV blocks between the registered KV tensors and host memory it owns.
 #[pyclass(module = "kvoffload._native", name = "TransferEngine")]
@@ -86,31 +46,6 @@ impl Drop for PyTransferEngine {
 /// How long dropping an engine waits for its copy thread.
 const DROP_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Where a tensor's memory is: its storage's bytes and its device.
-#[derive(Debug)]
-struct Allocation {
-    start: u64,
-    len: usize,
-    device_type: String,
-    device_index: Option<i32>,
-}
-
-/// Reads a torch tensor's storage extent and device.
-fn allocation(tensor: &Bound<'_, PyAny>) -> PyResult<Allocation> {
-    let not_a_tensor =
-        |e: PyErr| INVALID_INPUT_ERROR.err(format!("tensors: expected torch tensors ({e})"));
-    let storage = tensor
-        .call_method0("untyped_storage")
-        .map_err(not_a_tensor)?;
-    let device = tensor.getattr("device").map_err(not_a_tensor)?;
-    Ok(Allocation {
-        start: storage.call_method0("data_ptr")?.extract()?,
-        len: storage.call_method0("nbytes")?.extract()?,
-        device_type: device.getattr("type")?.extract()?,
-        device_index: device.getattr("index")?.extract()?,
-    })
-}
-
 fn backend_kind(backend: &str, device: i32, cuda_batch: bool) -> PyResult<BackendKind> {
     match backend {
         "host" => Ok(BackendKind::Host),
@@ -123,60 +58,6 @@ fn backend_kind(backend: &str, device: i32, cuda_batch: bool) -> PyResult<Backen
             "backend must be \"host\" or \"cuda\", got {other:?}"
         ))),
     }
-}
-
-/// Each region checked to lie inside the storage of one of `tensors`, on the backend's
-/// device.
-fn checked_regions(
-    regions: Vec<(u64, u32, usize, usize)>,
-    tensors: &[Bound<'_, PyAny>],
-    kind: &BackendKind,
-) -> PyResult<Vec<RegionSpec>> {
-    let allocations = tensors
-        .iter()
-        .map(allocation)
-        .collect::<PyResult<Vec<_>>>()?;
-    regions
-        .into_iter()
-        .map(|region| checked_region(region, &allocations, kind))
-        .collect()
-}
-
-/// A region that lies inside one of `allocations`, on the backend's device.
-fn checked_region(
-    (base, n, bytes, stride): (u64, u32, usize, usize),
-    allocations: &[Allocation],
-    kind: &BackendKind,
-) -> PyResult<RegionSpec> {
-    let on_device = |a: &Allocation| match kind {
-        BackendKind::Cuda(options) => {
-            a.device_type == "cuda" && a.device_index.unwrap_or(0) == options.device
-        }
-        _ => a.device_type == "cpu",
-    };
-    // SAFETY: the spec is used only for the bounds check below until one of `allocations`
-    // is shown to contain it.
-    let spec = unsafe { RegionSpec::new(base, n, bytes, stride) }
-        .map_err(|e| INVALID_INPUT_ERROR.err(e.to_string()))?;
-    let Some(home) = allocations
-        .iter()
-        .find(|a| spec.lies_within(a.start, a.len))
-    else {
-        return Err(INVALID_INPUT_ERROR.err(format!(
-            "region at {base:#x} ({n} blocks of {bytes} bytes, stride {stride}) lies in none of \
-             the given tensors' storage"
-        )));
-    };
-    if !on_device(home) {
-        return Err(INVALID_INPUT_ERROR.err(format!(
-            "region at {base:#x} lies in a tensor on {}{}, which the {kind:?} backend cannot copy",
-            home.device_type,
-            home.device_index
-                .map(|i| format!(":{i}"))
-                .unwrap_or_default()
-        )));
-    }
-    Ok(spec)
 }
 
 /// Builds the engine (without the GIL: the CUDA driver loads here).
