@@ -154,6 +154,9 @@ impl<P: EvictionPolicy> BlockCache<P> {
     }
 
     /// Pins a block so it is neither evicted nor freed until [`Self::unpin`].
+    // A lookup pins every block of its hit: left to itself the compiler keeps this a
+    // call from the lookup or inlines it depending on unrelated code around it.
+    #[inline]
     pub fn pin(&mut self, block: BlockId) -> Result<(), PoolError> {
         if self.pool.pin(block)? == 1 {
             self.policy.remove(block);

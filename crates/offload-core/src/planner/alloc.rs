@@ -35,14 +35,11 @@ impl Planner {
         num_external_tokens: usize,
     ) -> Result<(), PlanError> {
         let w = self.alloc_window(req, num_computed_tokens, num_external_tokens);
-        let windows: Vec<&[u32]> = gpu_blocks
-            .iter()
-            .map(|t| {
-                let t = t.as_ref();
-                t.get(w.start..w.end.min(t.len())).unwrap_or_default()
-            })
-            .collect();
-        self.on_alloc_window(req, w.start, &windows, num_external_tokens)
+        let window = |g: usize| {
+            let t = gpu_blocks[g].as_ref();
+            t.get(w.start..w.end.min(t.len())).unwrap_or_default()
+        };
+        self.load_windows(req, w.start, gpu_blocks.len(), window, num_external_tokens)
     }
 
     /// The positions of the block tables vLLM allocated for `req` that a load of
@@ -74,6 +71,27 @@ impl Planner {
         windows: &[B],
         num_external_tokens: usize,
     ) -> Result<(), PlanError> {
+        let window = |g: usize| windows[g].as_ref();
+        self.load_windows(
+            req,
+            window_start,
+            windows.len(),
+            window,
+            num_external_tokens,
+        )
+    }
+
+    /// [`Self::on_alloc_window`] with group `g`'s window given by `window(g)` for `g` in
+    /// `0..num_windows`, so that [`Self::on_alloc`] slices the tables where they are
+    /// instead of collecting the slices first.
+    fn load_windows<'w>(
+        &mut self,
+        req: &str,
+        window_start: usize,
+        num_windows: usize,
+        window: impl Fn(usize) -> &'w [u32],
+        num_external_tokens: usize,
+    ) -> Result<(), PlanError> {
         let bs = self.block_size();
         self.remote_allocated(req);
         if num_external_tokens == 0 {
@@ -82,11 +100,11 @@ impl Planner {
             }
             return Ok(());
         }
-        if windows.len() != self.kinds.len() {
+        if num_windows != self.kinds.len() {
             return Err(PlanError::GroupMismatch {
                 req_id: req.to_string(),
                 expected: self.kinds.len(),
-                got: windows.len(),
+                got: num_windows,
             });
         }
         let r = self
@@ -114,13 +132,13 @@ impl Planner {
                 .kinds
                 .iter()
                 .zip(&hit.groups)
-                .zip(windows)
-                .all(|((kind, ghit), window)| parts(kind, ghit, window.as_ref()).is_some());
+                .enumerate()
+                .all(|(g, (kind, ghit))| parts(kind, ghit, window(g)).is_some());
         let mut gpu = Vec::new();
         let mut cpu: Vec<BlockId> = Vec::new();
         if valid {
-            for ((kind, ghit), window) in self.kinds.iter().zip(&mut hit.groups).zip(windows) {
-                let window = window.as_ref();
+            for (g, (kind, ghit)) in self.kinds.iter().zip(&mut hit.groups).enumerate() {
+                let window = window(g);
                 let Some((pinned, allocated)) = parts(kind, ghit, window) else {
                     continue;
                 };
@@ -147,9 +165,9 @@ impl Planner {
                  recomputed"
             );
             // Every group's blocks of the accepted range, so the server recomputes them all.
-            for (kind, window) in self.kinds.iter().zip(windows) {
+            for (g, kind) in self.kinds.iter().enumerate() {
                 let from = kind.first_needed(start, end, bs) - start;
-                gpu.extend(window.as_ref().get(from..).unwrap_or_default());
+                gpu.extend(window(g).get(from..).unwrap_or_default());
             }
             hit.unpin_all(&mut self.cache);
         }
