@@ -32,12 +32,16 @@ mod error;
 mod file;
 mod index;
 mod layout;
+mod options;
 mod reader;
+mod recovery;
+mod slot_io;
 mod stats;
 mod store;
 
 pub use config::DiskConfig;
 pub use error::{DiskError, IoKind};
+pub use options::{DiskOptions, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
 pub use reader::DiskProbe;
 pub use stats::{DiskSnapshot, DiskStats};
-pub use store::{DiskOptions, DiskStore, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
+pub use store::DiskStore;
