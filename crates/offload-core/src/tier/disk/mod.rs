@@ -41,6 +41,7 @@ mod store;
 
 pub use config::DiskConfig;
 pub use error::{DiskError, IoKind};
+pub use index::{Placement, SlotIndex};
 pub use options::{DiskOptions, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
 pub use reader::DiskProbe;
 pub use stats::{DiskSnapshot, DiskStats};

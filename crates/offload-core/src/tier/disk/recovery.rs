@@ -5,7 +5,7 @@ use std::fs::File;
 use std::path::Path;
 
 use super::error::DiskError;
-use super::index::Index;
+use super::index::SlotIndex;
 use super::layout::{Entry, Geometry, ENTRY_BYTES, IDX_HEADER};
 
 /// Reads slot `slot`'s entry into `raw`.
@@ -30,7 +30,7 @@ pub(super) fn matches_header(idx: &File, geo: &Geometry) -> bool {
 pub(super) fn rebuild(
     idx: &File,
     geo: &Geometry,
-    index: &mut Index,
+    index: &mut SlotIndex,
     path: &Path,
 ) -> Result<(), DiskError> {
     use std::os::unix::fs::FileExt;

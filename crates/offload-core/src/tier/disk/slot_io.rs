@@ -10,26 +10,43 @@ use super::file::{self, AlignedBuf};
 use super::layout::{Entry, ENTRY_BYTES};
 use super::recovery::read_entry;
 use super::store::DiskStore;
-use crate::tier::value::checksum_ok;
+use crate::tier::value::{checksum_ok, copy_verified};
 
 impl DiskStore {
     /// Reads one slot and checks its bytes against the entry's commitment (length and the
     /// value's trailer) and the value's checksum; the header is the caller's
-    /// (`value::decode_verified`).
+    /// (`value::decode_verified`). The checksum runs here, on the I/O threads, so a batch's
+    /// blocks are verified in parallel and a bad one frees its slot (`verifies_checksums`).
     pub(super) fn read_slot(&self, slot: u64) -> Result<Option<Vec<u8>>, IoKind> {
         let s = &self.shared;
         let geo = &s.geo;
+        let offset = geo.data_offset(slot);
+        if !s.data.is_direct() {
+            // Buffered I/O needs no aligned buffer: the kernel copies from the page cache
+            // straight into the value handed out, and the checksum reads bytes that copy
+            // just left in the cache.
+            let mut value = vec![0u8; geo.value_len as usize];
+            s.data.read(&mut value, offset, &s.faults)?;
+            return Ok((self.committed(slot, &value) && checksum_ok(&value)).then_some(value));
+        }
         let mut buf = self.buffer();
-        let read = s
-            .data
-            .read(buf.as_mut_slice(), geo.data_offset(slot), &s.faults);
-        let result = read.map(|()| self.check_slot(slot, &buf));
+        let read = s.data.read(buf.as_mut_slice(), offset, &s.faults);
+        let value = &buf.as_slice()[..geo.value_len as usize];
+        // `O_DIRECT` leaves the bytes in memory, not in cache: summed in the copy out of
+        // the aligned buffer, not in a pass of their own.
+        let result = read.map(|()| {
+            if self.committed(slot, value) {
+                copy_verified(value)
+            } else {
+                None
+            }
+        });
         self.give_back(buf);
         result
     }
 
-    /// The value in `buf` (slot `slot`'s bytes) if its entry commits to it.
-    fn check_slot(&self, slot: u64, buf: &AlignedBuf) -> Option<Vec<u8>> {
+    /// Whether slot `slot`'s entry commits to `value` (its length and trailer).
+    fn committed(&self, slot: u64, value: &[u8]) -> bool {
         let s = &self.shared;
         let geo = &s.geo;
         let mut raw = [0u8; ENTRY_BYTES];
@@ -37,16 +54,11 @@ impl DiskStore {
             Ok(()) => Entry::decode(&raw),
             Err(_) => None,
         };
-        let value = &buf.as_slice()[..geo.value_len as usize];
         let trailer = value
             .get(value.len().saturating_sub(8)..)
             .and_then(|t| <[u8; 8]>::try_from(t).ok())
             .map(u64::from_le_bytes);
-        let intact =
-            entry.is_some_and(|e| e.value_len == geo.value_len && Some(e.value_sum) == trailer);
-        // The full checksum here, on the I/O threads, so a batch's blocks are verified in
-        // parallel and a bad one frees its slot (`verifies_checksums`).
-        (intact && checksum_ok(value)).then(|| value.to_vec())
+        entry.is_some_and(|e| e.value_len == geo.value_len && Some(e.value_sum) == trailer)
     }
 
     fn buffer(&self) -> AlignedBuf {

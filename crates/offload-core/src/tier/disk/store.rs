@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use super::error::{DiskError, IoKind};
 use super::file::{self, AlignedBuf, DataFile, DiskFaults, FileSet};
-use super::index::{Index, Placement};
+use super::index::{Placement, SlotIndex};
 use super::layout::{key_digest, Geometry};
 use super::options::{DiskOptions, DISABLE_AFTER_ERRORS};
 use super::recovery::{matches_header, rebuild};
@@ -25,7 +25,7 @@ pub(super) struct Shared {
     pub(super) data: DataFile,
     pub(super) idx: File,
     pub(super) geo: Geometry,
-    pub(super) index: Mutex<Index>,
+    pub(super) index: Mutex<SlotIndex>,
     pub(super) stats: Arc<DiskStats>,
     pub(super) faults: DiskFaults,
     pub(super) persist: bool,
@@ -94,7 +94,7 @@ impl DiskStore {
         file::lock_exclusive(&idx, &files.idx)?;
         let data = file::open_data(&files.data, opts.use_page_cache)?;
         let stats = Arc::new(DiskStats::default());
-        let mut index = Index::new(geo);
+        let mut index = SlotIndex::new(geo);
         let started = Instant::now();
         let kept = opts.persist && matches_header(&idx, &geo);
         if kept {
@@ -191,7 +191,7 @@ impl DiskStore {
         Some(self.shared.geo.data_offset(slot))
     }
 
-    fn index(&self) -> MutexGuard<'_, Index> {
+    fn index(&self) -> MutexGuard<'_, SlotIndex> {
         self.shared
             .index
             .lock()
@@ -230,7 +230,7 @@ impl DiskStore {
         self.shared.disabled.load(Ordering::Acquire)
     }
 
-    fn update_resident(&self, index: &Index) {
+    fn update_resident(&self, index: &SlotIndex) {
         DiskStats::set(&self.shared.stats.resident_blocks, index.resident());
     }
 }
