@@ -29,6 +29,19 @@ for i in range(n):
 print(time.perf_counter() - t)
 "#;
 
+/// Seconds of CPU this thread has used: a rate per CPU second is a rate per core even
+/// when other processes share the cores.
+pub(crate) fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec the call fills.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
 pub(crate) fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()

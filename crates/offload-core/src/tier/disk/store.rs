@@ -240,10 +240,13 @@ impl RemoteStore for DiskStore {
         if self.is_disabled() {
             return keys.iter().map(|_| Ok(false)).collect();
         }
-        let index = self.index();
-        keys.iter()
-            .map(|k| Ok(index.find(key_digest(k.as_str().as_bytes())).is_some()))
-            .collect()
+        let digests: Vec<u128> = keys
+            .iter()
+            .map(|k| key_digest(k.as_str().as_bytes()))
+            .collect();
+        let mut found = Vec::new();
+        self.index().find_many(&digests, &mut found);
+        found.into_iter().map(|slot| Ok(slot.is_some())).collect()
     }
 
     fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
