@@ -602,15 +602,16 @@ def disk_tier_table() -> str:
         f"Out of reach on this device for {_sizes(capped) or 'none'}: there 1.5x Simple's loop "
         "is more than the raw sequential read (the loop already reads near the device's or "
         f"the page cache copy's speed). Below the goal otherwise: {_sizes(short) or 'none'}.",
-        f"- Checksum <= 10% of a read's time: met for {_sizes(ck_ok) or 'none'} "
-        f"of {len(configs)}. With `O_DIRECT` the tier sums a block in the copy out of its "
-        f"I/O buffer ({ck['copy_verified_gbps']:.1f} GB/s against {ck['copy_gbps']:.1f} GB/s "
-        f"for the copy alone, one core, blocks not in cache; a separate pass would run at "
-        f"{ck['checksum_pass_gbps']:.1f} GB/s, {_disk_pass_share(configs, ck):.0%} of the "
-        f"largest `O_DIRECT` block's read); with the page cache it sums the value the "
-        f"kernel just copied ({ck['checksum_in_cache_gbps']:.1f} GB/s in cache). The sums "
-        "run on the I/O threads, beside other blocks' I/O, so a read's wall time pays less "
-        "than this share where a core is free; the column is the share if none were.",
+        f"- Checksum <= 10% of a read's time: met for {len(ck_ok)} of {len(configs)} "
+        f"({_sizes(ck_ok) or 'none'}). With `O_DIRECT` the tier sums a block in the "
+        f"copy out of its I/O buffer ({ck['copy_verified_gbps']:.1f} GB/s against "
+        f"{ck['copy_gbps']:.1f} GB/s for the copy alone, one core, blocks not in cache; "
+        f"a separate pass would run at {ck['checksum_pass_gbps']:.1f} GB/s, "
+        f"{_disk_pass_share(configs, ck):.0%} of the largest `O_DIRECT` block's read); "
+        "with the page cache it sums the value the kernel just copied "
+        f"({ck['checksum_in_cache_gbps']:.1f} GB/s in cache). The sums run on the I/O "
+        "threads, beside other blocks' I/O, so a read's wall time pays less than this "
+        "share where a core is free; the column is the share if none were.",
     ]
     ix = d.get("index")
     if ix:
