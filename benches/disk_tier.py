@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Disk tier bandwidth: runs ``cargo bench -p offload-core --bench disk`` (which measures,
-in one run on the same disk, the tier's reads and writes, raw ``O_DIRECT`` sequential I/O
-as ``dd iflag=direct bs=4M`` does it, and a Python copy of Simple's one-``preadv``-at-a-
-time read loop with two buffer slots; medians of 5 interleaved runs) and stores its result
-with the machine and the file system it ran on.
+"""Disk tier bandwidth and scale: runs ``cargo bench -p offload-core --bench disk`` (which
+measures, in one run on the same disk, for 64 KiB, 256 KiB and 2 MiB blocks, with
+``O_DIRECT`` and with the page cache: the tier's reads and writes, raw sequential I/O as
+``dd iflag=direct bs=4M`` does it, and a Python copy of Simple's one-``preadv``-at-a-time
+read loop with two buffer slots, medians of 5 interleaved runs; the checksum's cost; the
+in-memory index at 5 M entries; the index rebuild at restart) and stores its result with
+the machine and the file system it ran on.
 
     .venv/bin/python benches/disk_tier.py --dir /path/on/the/disk \\
         --json docs/benchmarks/disk_tier.json
@@ -52,8 +54,17 @@ def main() -> None:
     result.pop("dir", None)
     result["filesystem"] = filesystem(directory)
     result["machine"] = machine()
-    print(json.dumps(result["medians"], indent=2))
-    print(json.dumps(result["ratios"], indent=2))
+    for c in result["configs"]:
+        m, r = c["medians"], c["ratios"]
+        print(
+            f"{c['block_bytes']:>8} B {c['mode']:<10} raw {m['raw_read_gbps']:.2f} "
+            f"tier {m['tier_read_seq_gbps']:.2f} python {m['python_simple_read_gbps']:.2f} "
+            f"GB/s: {r['read_vs_python_simple']:.2f}x Simple's loop"
+        )
+    for part in ("checksum", "index", "rebuild"):
+        if part in result:
+            brief = {k: v for k, v in result[part].items() if not k.startswith("runs")}
+            print(part, json.dumps(brief))
     write_json(args.json, result)
 
 

@@ -524,42 +524,139 @@ def disk_ttft_table() -> str:
     return f"{head}\n\n" + "\n".join(rows) + "\n"
 
 
+def _checksum_share(c: dict[str, Any], ck: dict[str, Any]) -> float:
+    """The time verification adds to a read of configuration `c`, against the read's own
+    time: with `O_DIRECT`, the copy out of the I/O buffer verifying as it goes against the
+    plain copy; with the page cache, summing the value the kernel's copy left in cache."""
+    read = c["medians"]["tier_read_seq_gbps"]
+    if c["mode"] == "direct":
+        return read * (1 / ck["copy_verified_gbps"] - 1 / ck["copy_gbps"])
+    return read / ck["checksum_in_cache_gbps"]
+
+
+def _size(block_bytes: float) -> str:
+    return f"{block_bytes / 2**20:g} MiB" if block_bytes >= 2**20 else f"{block_bytes / 1024:g} KiB"
+
+
+def _io(c: dict[str, Any]) -> str:
+    return "O_DIRECT" if c["mode"] == "direct" else "page cache"
+
+
+def _sizes(configs: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{_size(c['block_bytes'])} {_io(c)}" for c in configs)
+
+
 @region("disk-tier")
 def disk_tier_table() -> str:
     d = load_json("benchmarks/disk_tier.json")
-    m, r = d["medians"], d["ratios"]
-    gb = "GB/s"
+    configs, ck = d["configs"], d["checksum"]
     rows = [
-        "| | median | vs raw `O_DIRECT` sequential | goal |",
-        "|---|---|---|---|",
-        f"| raw `O_DIRECT` sequential read (4 MiB calls, like `dd iflag=direct`) | "
-        f"{m['raw_read_gbps']:.2f} {gb} | 1.00x | |",
-        f"| disk tier read, blocks in order | {m['tier_read_seq_gbps']:.2f} {gb} | "
-        f"{r['read_seq_vs_raw']:.2f}x | >= 0.90x |",
-        f"| disk tier read, shuffled | {m['tier_read_shuffled_gbps']:.2f} {gb} | "
-        f"{r['read_shuffled_vs_raw']:.2f}x | >= 0.80x |",
-        f"| Python copy of Simple's read loop (one `preadv` at a time, 2 slots) | "
-        f"{m['python_simple_read_gbps']:.2f} {gb} | "
-        f"{m['python_simple_read_gbps'] / m['raw_read_gbps']:.2f}x | tier >= 1.5x this |",
-        f"| raw `O_DIRECT` sequential write | {m['raw_write_gbps']:.2f} {gb} | 1.00x | |",
-        f"| disk tier write | {m['tier_write_gbps']:.2f} {gb} | {r['write_vs_raw']:.2f}x "
-        "| >= 0.85x |",
+        "| block | I/O | raw sequential read | tier read, in order | shuffled | "
+        "Simple's loop (Python) | tier vs Simple's loop | checksum share of a read | "
+        "raw write | tier write |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rb = d["rebuild"]
+    for c in configs:
+        m, r = c["medians"], c["ratios"]
+        rows.append(
+            f"| {_size(c['block_bytes'])} | {_io(c)} | "
+            f"{m['raw_read_gbps']:.2f} | {m['tier_read_seq_gbps']:.2f} "
+            f"({r['read_seq_vs_raw']:.2f}x) | {m['tier_read_shuffled_gbps']:.2f} "
+            f"({r['read_shuffled_vs_raw']:.2f}x) | {m['python_simple_read_gbps']:.2f} | "
+            f"**{r['read_vs_python_simple']:.2f}x** | "
+            f"{_checksum_share(c, ck):.0%} | "
+            f"{m['raw_write_gbps']:.2f} | {m['tier_write_gbps']:.2f} ({r['write_vs_raw']:.2f}x) |"
+        )
+    direct = [c for c in configs if c["mode"] == "direct"]
+
+    def meets(pick: Any) -> list[dict[str, Any]]:
+        return [c for c in direct if pick(c)]
+
+    seq = meets(lambda c: c["ratios"]["read_seq_vs_raw"] >= 0.9)
+    shuf = meets(lambda c: c["ratios"]["read_shuffled_vs_raw"] >= 0.8)
+    wr = meets(lambda c: c["ratios"]["write_vs_raw"] >= 0.85)
+    fast = [c for c in configs if c["ratios"]["read_vs_python_simple"] >= 1.5]
+    # Where 1.5x Simple's loop would be faster than the raw sequential read, no reader of
+    # the same bytes can reach it: the device (or the page cache's copy) is the limit.
+    capped = [
+        c
+        for c in configs
+        if c not in fast
+        and 1.5 * c["medians"]["python_simple_read_gbps"] > c["medians"]["raw_read_gbps"]
+    ]
+    short = [c for c in configs if c not in fast and c not in capped]
+    ck_ok = [c for c in configs if _checksum_share(c, ck) <= 0.10]
     head = (
-        f"Disk tier bandwidth, `benches/disk_tier.py` ({d['blocks']} blocks of "
-        f"{d['block_bytes'] / 2**20:g} MiB, batches of {d['batch']}, medians of {d['runs']} "
-        f"interleaved runs, {d['filesystem']}, "
-        f"{'O_DIRECT' if d['direct_io'] else 'buffered'}; {machine_line(d['machine'])}):"
+        f"Disk tier bandwidth in GB/s, `benches/disk_tier.py` ({d['bytes_per_run'] / 2**20:g} MiB "
+        f"per run and block size, batches of {d['batch']} blocks, medians of {d['runs']} "
+        f"interleaved runs, {d['filesystem']}; {machine_line(d['machine'])}; the machine's "
+        f"{d['machine']['cores']} cores were shared with other builds, and a series' runs "
+        f"differ by up to {_spread(configs):.1f}x: every run is in the JSON). Ratios in "
+        "parentheses are against the raw sequential figure of the same row:"
     )
-    tail = (
-        f"Disk tier reads are **{r['read_vs_python_simple']:.2f}x** Simple's loop here. "
-        f"Verifying a block in memory runs at {m['verify_gbps']:.1f} {gb}, "
-        f"{r['checksum_share_of_read']:.0%} of a read's time. A restart rebuilt the index of "
-        f"{rb['blocks']:,.0f} blocks in {rb['open_seconds'] * 1e3:.1f} ms "
-        f"({rb['seconds_per_100k']:.3f} s per 100k blocks; goal <= 1 s)."
-    )
-    return f"{head}\n\n" + "\n".join(rows) + f"\n\n{tail}\n"
+    goals = [
+        f"- Reads >= 0.90x raw sequential (`O_DIRECT`): met for {len(seq)} of {len(direct)} "
+        f"block sizes ({_sizes(seq) or 'none'}); shuffled >= 0.80x: {len(shuf)} of "
+        f"{len(direct)}; writes >= 0.85x raw: {len(wr)} of {len(direct)}.",
+        f"- Reads >= 1.5x Simple's one-I/O-at-a-time loop: met for {_sizes(fast) or 'none'}. "
+        f"Out of reach on this device for {_sizes(capped) or 'none'}: there 1.5x Simple's loop "
+        "is more than the raw sequential read (the loop already reads near the device's or "
+        f"the page cache copy's speed). Below the goal otherwise: {_sizes(short) or 'none'}.",
+        f"- Checksum <= 10% of a read's time: met for {len(ck_ok)} of {len(configs)} "
+        f"({_sizes(ck_ok) or 'none'}). With `O_DIRECT` the tier sums a block in the "
+        f"copy out of its I/O buffer ({ck['copy_verified_gbps']:.1f} GB/s against "
+        f"{ck['copy_gbps']:.1f} GB/s for the copy alone, one core, blocks not in cache; "
+        f"a separate pass would run at {ck['checksum_pass_gbps']:.1f} GB/s, "
+        f"{_disk_pass_share(configs, ck):.0%} of the largest `O_DIRECT` block's read); "
+        "with the page cache it sums the value the kernel just copied "
+        f"({ck['checksum_in_cache_gbps']:.1f} GB/s in cache). The sums run on the I/O "
+        "threads, beside other blocks' I/O, so a read's wall time pays less than this "
+        "share where a core is free; the column is the share if none were.",
+    ]
+    ix = d.get("index")
+    if ix:
+        best = max(ix["batched_hit_lookups_per_s"], ix["hit_lookups_per_s"])
+        goals.append(
+            f"- Scale: the in-memory index of {ix['entries']:,.0f} slots (a 10 TB tier of "
+            f"2 MiB blocks) takes **{ix['host_bytes_per_block']:.0f} bytes per block** "
+            f"(goal <= 64; every array's allocated capacity: 16-bit tags and 32-byte records "
+            f"of digest, recency and state). Lookups per CPU second, one core: hits "
+            f"{ix['hit_lookups_per_s'] / 1e6:.1f} M, misses {ix['miss_lookups_per_s'] / 1e6:.1f} M "
+            f"one at a time; in batches of 64 with sets touched ahead, hits "
+            f"{ix['batched_hit_lookups_per_s'] / 1e6:.1f} M, misses "
+            f"{ix['batched_miss_lookups_per_s'] / 1e6:.1f} M. "
+            + (
+                "Goal >= 50 M/s met."
+                if best >= 50e6
+                else "Goal >= 50 M/s **not met**: at this size every lookup is a random "
+                "access to a set's tags in memory, and a hit one more to its record; the "
+                "figure is this VM's memory latency divided by the misses a core overlaps."
+            )
+        )
+    rb = d.get("rebuild")
+    if rb:
+        per = rb["open_seconds"] / max(rb["blocks"], 1)
+        goals.append(
+            f"- Restart: {rb['blocks']:,.0f} blocks recovered in {rb['open_seconds']:.2f} s "
+            f"(index file {rb['index_file_bytes'] / 2**20:,.0f} MiB, dropped from the page cache "
+            f"first; {rb['seconds_per_100k']:.3f} s per 100k blocks, goal <= 1 s). 5 M blocks "
+            f"did not fit this disk (a slot takes at least 4 KiB: {5e6 * 4096 / 1e9:.0f} GB); the "
+            f"rebuild reads "
+            f"the index file once and decodes each 64-byte entry, so its time grows linearly: "
+            f"about {per * 5e6:.1f} s for 5 M blocks."
+        )
+    return f"{head}\n\n" + "\n".join(rows) + "\n\n" + "\n".join(goals) + "\n"
+
+
+def _spread(configs: list[dict[str, Any]]) -> float:
+    """The largest max/min of one series' runs."""
+    return max(max(v) / min(v) for c in configs for v in c["runs_gbps"].values())
+
+
+def _disk_pass_share(configs: list[dict[str, Any]], ck: dict[str, Any]) -> float:
+    """A separate checksum pass's time against a 2 MiB O_DIRECT read (the old cost)."""
+    big = max((c for c in configs if c["mode"] == "direct"), key=lambda c: c["block_bytes"])
+    return big["medians"]["tier_read_seq_gbps"] / ck["checksum_pass_gbps"]
 
 
 @region("remote-tier")

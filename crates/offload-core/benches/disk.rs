@@ -1,241 +1,50 @@
-//! Disk tier bandwidth against the device's raw `O_DIRECT` sequential speed (what
-//! `dd iflag=direct bs=4M` measures) and a Python loop doing Simple's one-`preadv`-at-a-
-//! time reads with two buffer slots, all in one run on the same files; plus the checksum's
-//! share of a read and the index rebuild at restart.
+//! Disk tier bandwidth against the device's raw sequential speed (what `dd iflag=direct
+//! bs=4M` measures) and a Python loop doing Simple's one-`preadv`-at-a-time reads with two
+//! buffer slots, all in one run on the same files, for several block sizes, with
+//! `O_DIRECT` and with the page cache (`use_page_cache`); plus the checksum's share of a
+//! read, the in-memory index at scale (lookups/s, host bytes per block) and the index
+//! rebuild at restart.
 //!
 //! Prints one JSON object (medians of `RUNS` interleaved runs, and every run). Settings by
 //! environment: `KVOFFLOAD_BENCH_DIR` (default the temp dir: put it on the disk to
-//! measure), `KVOFFLOAD_BENCH_BLOCK_BYTES` (2 MiB: a 16-token block of an 8B model in
-//! bf16), `KVOFFLOAD_BENCH_BLOCKS` (128), `KVOFFLOAD_BENCH_REBUILD_BLOCKS` (100000; 0 skips),
-//! `PYTHON` (python3).
+//! measure), `KVOFFLOAD_BENCH_BLOCK_SIZES` (`65536,262144,2097152`: a 16-token block of a
+//! small model, of a 1B-class model, of an 8B model in bf16; empty skips), `KVOFFLOAD_BENCH_BYTES`
+//! (bytes read per run and size, 256 MiB), `KVOFFLOAD_BENCH_INDEX_ENTRIES` (5000000; 0
+//! skips), `KVOFFLOAD_BENCH_REBUILD_BLOCKS` (1000000; 0 skips), `PYTHON` (python3).
 //!
 //!     cargo bench -p offload-core --bench disk > docs/benchmarks/disk_tier.json
 
-use std::fs::OpenOptions;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+mod common;
+mod disk_support;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::Arc;
 use std::time::Instant;
 
-use offload_core::tier::disk::{DiskOptions, DiskStore};
-use offload_core::tier::value::{decode, encode, encoded_len};
-use offload_core::tier::{KeySpace, LayoutFingerprint, RemoteTier, TierStats};
+use common::Rng;
+use disk_support::{
+    env_u64, hash, median, python_simple_loop, raw, shuffled, thread_cpu_seconds, tier, tier_read,
+    tier_write, Obj, RAW_CHUNK,
+};
+use offload_core::tier::disk::{DiskOptions, DiskStore, Placement, SlotIndex};
+use offload_core::tier::value::{checksum_ok, copy_verified, encode, encoded_len};
+use offload_core::tier::LayoutFingerprint;
 
 const RUNS: usize = 5;
-const RAW_CHUNK: usize = 4 << 20;
 const BATCH: usize = 32;
 const FP: LayoutFingerprint = LayoutFingerprint(0xbe9c);
 
-const PY_SIMPLE_LOOP: &str = r#"
-import mmap, os, sys, time
-path, block, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-slots = [mmap.mmap(-1, block) for _ in range(2)]
-views = [[memoryview(s)] for s in slots]
-t = time.perf_counter()
-for i in range(n):
-    got = os.preadv(fd, views[i % 2], i * block)
-    if got < block:
-        raise OSError("short read")
-print(time.perf_counter() - t)
-"#;
+const NAMES: [&str; 6] = [
+    "raw_write",
+    "tier_write",
+    "raw_read",
+    "tier_read_seq",
+    "tier_read_shuffled",
+    "python_simple_read",
+];
 
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-struct Aligned(Vec<u8>, usize);
-
-impl Aligned {
-    fn new(len: usize) -> Self {
-        let v = vec![0u8; len + 4096];
-        let off = v.as_ptr().align_offset(4096);
-        Self(v, off)
-    }
-    fn buf(&mut self, len: usize) -> &mut [u8] {
-        &mut self.0[self.1..self.1 + len]
-    }
-}
-
-/// GB/s of sequential `O_DIRECT` I/O over `len` bytes of `path` in 4 MiB calls.
-fn raw(path: &Path, len: u64, write: bool) -> f64 {
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .expect("open raw file");
-    let mut buf = Aligned::new(RAW_CHUNK);
-    buf.buf(RAW_CHUNK).fill(0x5a);
-    let t = Instant::now();
-    let mut off = 0;
-    while off < len {
-        let b = buf.buf(RAW_CHUNK);
-        let n = if write {
-            f.write_at(b, off)
-        } else {
-            f.read_at(b, off)
-        }
-        .expect("raw io");
-        assert_eq!(n, RAW_CHUNK, "raw io short");
-        off += RAW_CHUNK as u64;
-    }
-    len as f64 / t.elapsed().as_secs_f64() / 1e9
-}
-
-fn python_simple_loop(path: &Path, block: u64, n: u64) -> f64 {
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = Command::new(python)
-        .args(["-c", PY_SIMPLE_LOOP])
-        .arg(path)
-        .arg(block.to_string())
-        .arg(n.to_string())
-        .output()
-        .expect("run python");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let secs: f64 = String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .expect("seconds");
-    (block * n) as f64 / secs / 1e9
-}
-
-fn hash(i: u64) -> [u8; 16] {
-    let mut h = [0u8; 16];
-    h[..8].copy_from_slice(&i.to_le_bytes());
-    h
-}
-
-fn tier(store: &DiskStore) -> RemoteTier {
-    RemoteTier::new(
-        Box::new(store.clone()),
-        KeySpace::new("bench", FP).expect("namespace"),
-        Arc::new(TierStats::default()),
-    )
-}
-
-fn shuffled(n: u64, seed: u64) -> Vec<u64> {
-    let mut v: Vec<u64> = (0..n).collect();
-    let mut s = seed | 1;
-    for i in (1..v.len()).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        v.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    v
-}
-
-/// GB/s of payload read through the tier (fetch: read, verify), in batches.
-fn tier_read(t: &mut RemoteTier, order: &[u64], block: usize) -> f64 {
-    let start = Instant::now();
-    for chunk in order.chunks(BATCH) {
-        let hashes: Vec<[u8; 16]> = chunk.iter().map(|&i| hash(i)).collect();
-        let got = t.fetch(&hashes, block).expect("fetch");
-        assert!(got.iter().all(Option::is_some), "a block missed");
-    }
-    (order.len() * block) as f64 / start.elapsed().as_secs_f64() / 1e9
-}
-
-fn tier_write(t: &mut RemoteTier, n: u64, payload: &[u8]) -> f64 {
-    let start = Instant::now();
-    let ids: Vec<u64> = (0..n).collect();
-    for chunk in ids.chunks(BATCH) {
-        let blocks: Vec<([u8; 16], Vec<&[u8]>)> =
-            chunk.iter().map(|&i| (hash(i), vec![payload])).collect();
-        assert_eq!(t.store(&blocks).expect("store"), chunk.len());
-    }
-    (n as usize * payload.len()) as f64 / start.elapsed().as_secs_f64() / 1e9
-}
-
-fn rebuild(dir: &Path, blocks: u64) -> serde_like::Obj {
-    let block = 4000usize;
-    let value = encoded_len(16, block) as u64;
-    let cap = 4096 + 2 * blocks * (4096 + 64);
-    let path = dir.join("rebuild.rank_0");
-    let mut opts = DiskOptions::new(&path, cap, value, FP);
-    opts.persist = true;
-    let payload = vec![7u8; block];
-    {
-        let store = DiskStore::open(&opts).expect("open");
-        let mut t = tier(&store);
-        let ids: Vec<u64> = (0..blocks).collect();
-        for chunk in ids.chunks(256) {
-            let b: Vec<([u8; 16], Vec<&[u8]>)> = chunk
-                .iter()
-                .map(|&i| (hash(i), vec![&payload[..]]))
-                .collect();
-            t.store(&b).expect("store");
-        }
-    }
-    let t = Instant::now();
-    let store = DiskStore::open(&opts).expect("reopen");
-    let secs = t.elapsed().as_secs_f64();
-    let recovered = store.snapshot().recovered_blocks;
-    let rebuild_s = store.snapshot().rebuild_micros as f64 / 1e6;
-    opts.persist = false;
-    drop(store);
-    drop(DiskStore::open(&opts).expect("wipe"));
-    serde_like::Obj::default()
-        .num("blocks", recovered as f64)
-        .num("open_seconds", secs)
-        .num("rebuild_seconds", rebuild_s)
-        .num("seconds_per_100k", secs * 1e5 / recovered.max(1) as f64)
-}
-
-/// Just enough JSON writing for flat objects of numbers, strings and lists.
-mod serde_like {
-    #[derive(Default)]
-    pub(super) struct Obj(Vec<(String, String)>);
-    impl Obj {
-        pub(super) fn num(mut self, k: &str, v: f64) -> Self {
-            self.0.push((k.into(), format!("{v}")));
-            self
-        }
-        pub(super) fn text(mut self, k: &str, v: &str) -> Self {
-            self.0.push((k.into(), format!("{v:?}")));
-            self
-        }
-        pub(super) fn list(mut self, k: &str, v: &[f64]) -> Self {
-            let items: Vec<String> = v.iter().map(|x| format!("{x}")).collect();
-            self.0.push((k.into(), format!("[{}]", items.join(", "))));
-            self
-        }
-        pub(super) fn obj(mut self, k: &str, v: Obj) -> Self {
-            self.0.push((k.into(), v.render()));
-            self
-        }
-        pub(super) fn render(&self) -> String {
-            let items: Vec<String> = self.0.iter().map(|(k, v)| format!("{k:?}: {v}")).collect();
-            format!("{{{}}}", items.join(", "))
-        }
-    }
-}
-
-fn main() {
-    let dir = PathBuf::from(
-        std::env::var("KVOFFLOAD_BENCH_DIR")
-            .unwrap_or_else(|_| std::env::temp_dir().display().to_string()),
-    )
-    .join(format!("kvoffload-disk-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("bench dir");
-    let block = env_u64("KVOFFLOAD_BENCH_BLOCK_BYTES", 2 << 20) as usize;
-    let n = env_u64("KVOFFLOAD_BENCH_BLOCKS", 128);
+/// Every figure of one block size and I/O mode.
+fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f64; 6]) {
+    let n = (total / block as u64).max(BATCH as u64);
     let value = encoded_len(16, block) as u64;
     let slot = value.div_ceil(4096) * 4096;
     let raw_len = (n * block as u64).div_ceil(RAW_CHUNK as u64) * RAW_CHUNK as u64;
@@ -245,69 +54,263 @@ fn main() {
     let payload: Vec<u8> = (0..block).map(|i| (i * 31 % 251) as u8).collect();
     // Twice the blocks: a block's set is chosen by its hash, so a full set evicts before
     // the whole capacity is used (see `layout`).
-    let opts = DiskOptions::new(dir.join("kv.rank_0"), 4096 + 2 * n * (slot + 64), value, FP);
+    let mut opts = DiskOptions::new(dir.join("kv.rank_0"), 4096 + 2 * n * (slot + 64), value, FP);
+    opts.use_page_cache = page_cache;
     let store = DiskStore::open(&opts).expect("open the tier");
     let mut t = tier(&store);
-    let names = [
-        "raw_write",
-        "tier_write",
-        "raw_read",
-        "tier_read_seq",
-        "tier_read_shuffled",
-        "python_simple_read",
-    ];
-    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
-    // The Python loop's file: the raw file's first n blocks, aligned as Simple lays them.
-    raw(
-        &py_path,
-        (n * py_block).div_ceil(RAW_CHUNK as u64) * RAW_CHUNK as u64,
-        true,
-    );
+    let direct = !page_cache;
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); NAMES.len()];
+    // The Python loop's file: n blocks, aligned as Simple lays them.
+    let py_len = (n * py_block).div_ceil(RAW_CHUNK as u64) * RAW_CHUNK as u64;
+    raw(&py_path, py_len, true, direct);
     for run in 0..RUNS {
-        runs[0].push(raw(&raw_path, raw_len, true));
-        runs[1].push(tier_write(&mut t, n, &payload));
-        runs[2].push(raw(&raw_path, raw_len, false));
-        let seq: Vec<u64> = (0..n).collect();
-        runs[3].push(tier_read(&mut t, &seq, block));
-        runs[4].push(tier_read(&mut t, &shuffled(n, run as u64 + 1), block));
-        runs[5].push(python_simple_loop(&py_path, py_block, n));
+        // Each run writes blocks new to the tier (evicting the oldest runs'), then reads
+        // them back.
+        let ids: Vec<u64> = (run as u64 * n..(run as u64 + 1) * n).collect();
+        runs[0].push(raw(&raw_path, raw_len, true, direct));
+        runs[1].push(tier_write(&mut t, &ids, &payload, BATCH));
+        runs[2].push(raw(&raw_path, raw_len, false, direct));
+        runs[3].push(tier_read(&mut t, &ids, block, BATCH));
+        let order: Vec<u64> = shuffled(n, run as u64 + 1)
+            .iter()
+            .map(|&i| ids[i as usize])
+            .collect();
+        runs[4].push(tier_read(&mut t, &order, block, BATCH));
+        runs[5].push(python_simple_loop(&py_path, py_block, n, direct));
     }
-    // The checksum's share of a read: verifying values already in memory.
-    let values: Vec<Vec<u8>> = (0..n).map(|i| encode(FP, &hash(i), &[&payload])).collect();
-    let started = Instant::now();
-    for (i, v) in values.iter().enumerate() {
-        decode(v, FP, &hash(i as u64), block).expect("valid");
-    }
-    let verify_gbps = (n as usize * block) as f64 / started.elapsed().as_secs_f64() / 1e9;
-    let snap = store.snapshot();
+    let direct_io = store.is_direct();
     drop(t);
     drop(store);
-    let rebuild_blocks = env_u64("KVOFFLOAD_BENCH_REBUILD_BLOCKS", 100_000);
-    let mut out = serde_like::Obj::default()
-        .num("block_bytes", block as f64)
-        .num("blocks", n as f64)
-        .num("runs", RUNS as f64)
-        .num("batch", BATCH as f64)
-        .num("direct_io", if snap.buffered_io == 0 { 1.0 } else { 0.0 })
-        .text("dir", &dir.display().to_string());
-    let mut medians = serde_like::Obj::default();
-    let mut all = serde_like::Obj::default();
-    let mut med = Vec::new();
-    for (name, v) in names.iter().zip(runs.iter_mut()) {
+    let _ = std::fs::remove_file(&raw_path);
+    let _ = std::fs::remove_file(&py_path);
+    let mut med = [0.0; 6];
+    let mut medians = Obj::default();
+    let mut all = Obj::default();
+    for (i, (name, v)) in NAMES.iter().zip(runs.iter_mut()).enumerate() {
         all = all.list(name, v);
-        let m = median(v);
-        med.push(m);
-        medians = medians.num(&format!("{name}_gbps"), m);
+        med[i] = median(v);
+        medians = medians.num(&format!("{name}_gbps"), med[i]);
     }
-    medians = medians.num("verify_gbps", verify_gbps);
-    out = out.obj("medians", medians).obj("runs_gbps", all);
-    let ratios = serde_like::Obj::default()
+    let ratios = Obj::default()
         .num("read_seq_vs_raw", med[3] / med[2])
         .num("read_shuffled_vs_raw", med[4] / med[2])
         .num("write_vs_raw", med[1] / med[0])
         .num("read_vs_python_simple", med[3] / med[5])
-        .num("checksum_share_of_read", med[3] / verify_gbps);
-    out = out.obj("ratios", ratios);
+        .num("read_shuffled_vs_python_simple", med[4] / med[5]);
+    let out = Obj::default()
+        .num("block_bytes", block as f64)
+        .text("mode", if page_cache { "page_cache" } else { "direct" })
+        .num("direct_io", f64::from(u8::from(direct_io)))
+        .num("blocks", n as f64)
+        .obj("medians", medians)
+        .obj("ratios", ratios)
+        .obj("runs_gbps", all);
+    (out, med)
+}
+
+/// GB/s of copying values out of cold buffers (what an `O_DIRECT` read does after the
+/// I/O), of the same copy verifying the checksum as it goes (what the tier does), of a
+/// checksum pass alone, and of summing a value already in cache (what a page cache read
+/// does after the kernel's copy); medians of interleaved runs over 512 MiB of 2 MiB values.
+fn checksum_costs() -> Obj {
+    let block = 2 << 20;
+    let payload: Vec<u8> = (0..block).map(|i| (i * 31 % 251) as u8).collect();
+    let values: Vec<Vec<u8>> = (0..256u64)
+        .map(|i| encode(FP, &hash(i), &[&payload]))
+        .collect();
+    let bytes = (values.len() * values[0].len()) as f64;
+    let gbps = |f: &dyn Fn(&[u8]) -> bool| {
+        let t = Instant::now();
+        assert!(values.iter().all(|v| f(v)));
+        bytes / t.elapsed().as_secs_f64() / 1e9
+    };
+    // A page cache read sums a value the kernel just copied, still in cache: one value
+    // summed over and over.
+    let in_cache = |v: &[u8]| {
+        let t = Instant::now();
+        assert!((0..64).all(|_| checksum_ok(std::hint::black_box(v))));
+        64.0 * v.len() as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    let [mut copy, mut fused, mut pass, mut warm]: [Vec<f64>; 4] = Default::default();
+    for _ in 0..RUNS {
+        copy.push(gbps(&|v| std::hint::black_box(v.to_vec()).len() == v.len()));
+        fused.push(gbps(&|v| std::hint::black_box(copy_verified(v)).is_some()));
+        pass.push(gbps(&|v| checksum_ok(v)));
+        warm.push(in_cache(&values[0]));
+    }
+    Obj::default()
+        .num("copy_gbps", median(&mut copy))
+        .num("copy_verified_gbps", median(&mut fused))
+        .num("checksum_pass_gbps", median(&mut pass))
+        .num("checksum_in_cache_gbps", median(&mut warm))
+        .list("runs_copy_gbps", &copy)
+        .list("runs_copy_verified_gbps", &fused)
+        .list("runs_checksum_pass_gbps", &pass)
+        .list("runs_checksum_in_cache_gbps", &warm)
+}
+
+/// Lookups per second on one core in an index of `entries` slots filled with as many
+/// blocks, hits and misses, and the host bytes it takes per block.
+fn index_scale(entries: u64) -> Obj {
+    let mut ix = SlotIndex::with_slots(entries).expect("index");
+    let mut rng = Rng(7);
+    let stored: Vec<u128> = (0..entries).map(|_| rng.hash().0).collect();
+    let t = Instant::now();
+    for &d in &stored {
+        if let Placement::Write { slot, .. } = ix.place(d) {
+            ix.finish_write(slot, true);
+        }
+    }
+    let fill_s = t.elapsed().as_secs_f64();
+    let hits: Vec<u128> = shuffled(entries, 7)
+        .iter()
+        .map(|&i| stored[i as usize])
+        .filter(|&d| ix.find(d).is_some())
+        .take(4_000_000)
+        .collect();
+    drop(stored);
+    let misses: Vec<u128> = (0..hits.len()).map(|_| rng.hash().0).collect();
+    // One at a time, and in batches of 64 as `exists` asks (sets touched ahead); per
+    // second of this thread's CPU time, so per core even on a shared machine.
+    let one = |keys: &[u128]| keys.iter().filter(|&&d| ix.find(d).is_some()).count();
+    let batched = |keys: &[u128]| {
+        let mut out = Vec::new();
+        keys.chunks(64)
+            .map(|c| {
+                ix.find_many(c, &mut out);
+                out.iter().filter(|s| s.is_some()).count()
+            })
+            .sum()
+    };
+    let mut rates: [Vec<f64>; 4] = Default::default();
+    for _ in 0..RUNS {
+        for (i, (keys, batch)) in [
+            (&hits, false),
+            (&misses, false),
+            (&hits, true),
+            (&misses, true),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let cpu = thread_cpu_seconds();
+            let found = if batch { batched(keys) } else { one(keys) };
+            rates[i].push(keys.len() as f64 / (thread_cpu_seconds() - cpu));
+            assert_eq!(found, if i % 2 == 0 { keys.len() } else { 0 });
+        }
+    }
+    let names = ["hit", "miss", "batched_hit", "batched_miss"];
+    let mut out = Obj::default()
+        .num("entries", ix.slots() as f64)
+        .num("resident", ix.resident() as f64)
+        .num("fill_seconds", fill_s)
+        .num("host_bytes_per_block", ix.bytes_per_slot())
+        .num("lookups_timed", hits.len() as f64);
+    for (name, v) in names.iter().zip(rates.iter_mut()) {
+        out = out
+            .num(&format!("{name}_lookups_per_s"), median(v))
+            .list(&format!("runs_{name}_lookups_per_s"), v);
+    }
+    out
+}
+
+/// A persisted tier of `blocks` small blocks, closed and reopened with its index file
+/// out of the page cache: the restart's index rebuild.
+fn rebuild(dir: &Path, blocks: u64) -> Obj {
+    let block = 4000usize;
+    let value = encoded_len(16, block) as u64;
+    // A quarter more slots than blocks: a set that fills evicts before the capacity does.
+    let cap = 4096 + (blocks + blocks / 4) * (4096 + 64);
+    let path = dir.join("rebuild.rank_0");
+    let mut opts = DiskOptions::new(&path, cap, value, FP);
+    opts.persist = true;
+    let payload = vec![7u8; block];
+    let write_s = {
+        let store = DiskStore::open(&opts).expect("open");
+        let mut t = tier(&store);
+        let started = Instant::now();
+        let ids: Vec<u64> = (0..blocks).collect();
+        for chunk in ids.chunks(1024) {
+            let b: Vec<([u8; 16], Vec<&[u8]>)> = chunk
+                .iter()
+                .map(|&i| (hash(i), vec![&payload[..]]))
+                .collect();
+            // A full set skips a write: what is recovered is what was stored.
+            t.store(&b).expect("store");
+        }
+        started.elapsed().as_secs_f64()
+    };
+    let idx = disk_support::drop_cached(&PathBuf::from(format!("{}.idx", path.display())));
+    let t = Instant::now();
+    let store = DiskStore::open(&opts).expect("reopen");
+    let secs = t.elapsed().as_secs_f64();
+    let snap = store.snapshot();
+    opts.persist = false;
+    drop(store);
+    drop(DiskStore::open(&opts).expect("wipe"));
+    let _ = std::fs::remove_file(&path);
+    let recovered = snap.recovered_blocks;
+    Obj::default()
+        .num("blocks", recovered as f64)
+        .num("slots", snap.capacity_blocks as f64)
+        .num("index_file_bytes", idx as f64)
+        .num("index_dropped_from_page_cache", 1.0)
+        .num("write_seconds", write_s)
+        .num("open_seconds", secs)
+        .num("rebuild_seconds", snap.rebuild_micros as f64 / 1e6)
+        .num("seconds_per_100k", secs * 1e5 / recovered.max(1) as f64)
+}
+
+fn main() {
+    let dir = PathBuf::from(
+        std::env::var("KVOFFLOAD_BENCH_DIR")
+            .unwrap_or_else(|_| std::env::temp_dir().display().to_string()),
+    )
+    .join(format!("kvoffload-disk-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("bench dir");
+    let sizes: Vec<usize> = std::env::var("KVOFFLOAD_BENCH_BLOCK_SIZES")
+        .unwrap_or_else(|_| "65536,262144,2097152".into())
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            s.trim()
+                .parse()
+                .expect("KVOFFLOAD_BENCH_BLOCK_SIZES: byte counts")
+        })
+        .collect();
+    let total = env_u64("KVOFFLOAD_BENCH_BYTES", 256 << 20);
+    let mut configs = Vec::new();
+    let mut summary = Vec::new();
+    for &block in &sizes {
+        for page_cache in [false, true] {
+            let (obj, med) = bandwidth(&dir, block, page_cache, total);
+            eprintln!(
+                "{block:>8} B {:<10} raw {:.2} tier seq {:.2} shuffled {:.2} python {:.2} \
+                 GB/s: {:.2}x Simple's loop",
+                if page_cache { "page cache" } else { "O_DIRECT" },
+                med[2],
+                med[3],
+                med[4],
+                med[5],
+                med[3] / med[5]
+            );
+            summary.push((block, page_cache, med[3]));
+            configs.push(obj);
+        }
+    }
+    let checksum = checksum_costs();
+    let mut out = Obj::default()
+        .num("runs", RUNS as f64)
+        .num("batch", BATCH as f64)
+        .num("bytes_per_run", total as f64)
+        .text("dir", &dir.display().to_string())
+        .objs("configs", configs)
+        .obj("checksum", checksum);
+    let entries = env_u64("KVOFFLOAD_BENCH_INDEX_ENTRIES", 5_000_000);
+    if entries > 0 {
+        out = out.obj("index", index_scale(entries));
+    }
+    let rebuild_blocks = env_u64("KVOFFLOAD_BENCH_REBUILD_BLOCKS", 1_000_000);
     if rebuild_blocks > 0 {
         out = out.obj("rebuild", rebuild(&dir, rebuild_blocks));
     }

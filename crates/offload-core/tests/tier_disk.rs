@@ -142,41 +142,47 @@ fn a_second_engine_on_the_same_path_is_refused() {
 
 #[test]
 fn corrupted_and_truncated_blocks_are_counted_misses_and_free_their_slot() {
-    let s = Scratch::new("corrupt");
-    let store = DiskStore::open(&options(&s.rank_path(), ODD, 16)).unwrap();
-    let mut t = tier(&store);
-    assert_eq!(store_blocks(&mut t, 0..3, ODD), 3);
-    let data = std::fs::OpenOptions::new()
-        .write(true)
-        .open(store.data_path())
+    // Both read paths verify: O_DIRECT in the copy out of the aligned buffer, buffered
+    // in the value the kernel filled.
+    for page_cache in [false, true] {
+        let s = Scratch::new("corrupt");
+        let mut o = options(&s.rank_path(), ODD, 16);
+        o.use_page_cache = page_cache;
+        let store = DiskStore::open(&o).unwrap();
+        let mut t = tier(&store);
+        assert_eq!(store_blocks(&mut t, 0..3, ODD), 3);
+        let data = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.data_path())
+            .unwrap();
+        // A flipped payload byte: caught by the full checksum.
+        let at = store.offset_of(&key(0)).unwrap();
+        data.write_all_at(&[0xff, 0x00, 0xff], at + 2000).unwrap();
+        // A flipped trailer: caught against the index entry.
+        let at = store.offset_of(&key(1)).unwrap();
+        data.write_all_at(
+            &[0x42; 8],
+            at + common::disk::HASH_BYTES as u64 + 32 + ODD as u64,
+        )
         .unwrap();
-    // A flipped payload byte: caught by the full checksum.
-    let at = store.offset_of(&key(0)).unwrap();
-    data.write_all_at(&[0xff, 0x00, 0xff], at + 2000).unwrap();
-    // A flipped trailer: caught against the index entry.
-    let at = store.offset_of(&key(1)).unwrap();
-    data.write_all_at(
-        &[0x42; 8],
-        at + common::disk::HASH_BYTES as u64 + 32 + ODD as u64,
-    )
-    .unwrap();
-    assert_eq!(
-        fetch_blocks(&mut t, &[0, 1, 2], ODD),
-        [None, None, Some(true)]
-    );
-    let snap = store.snapshot();
-    assert_eq!(snap.checksum_failures, 2);
-    assert_eq!(snap.resident_blocks, 1);
-    assert!(store.offset_of(&key(0)).is_none(), "slot freed");
-    assert_eq!(
-        t.stats().snapshot().corrupt_values,
-        0,
-        "the store caught both, on its own threads"
-    );
-    // Truncated file: a short read is a miss, never a hang or a panic.
-    data.set_len(0).unwrap();
-    assert_eq!(fetch_blocks(&mut t, &[2], ODD), [None]);
-    assert_eq!(store.snapshot().errors_short, 1);
+        assert_eq!(
+            fetch_blocks(&mut t, &[0, 1, 2], ODD),
+            [None, None, Some(true)]
+        );
+        let snap = store.snapshot();
+        assert_eq!(snap.checksum_failures, 2);
+        assert_eq!(snap.resident_blocks, 1);
+        assert!(store.offset_of(&key(0)).is_none(), "slot freed");
+        assert_eq!(
+            t.stats().snapshot().corrupt_values,
+            0,
+            "the store caught both, on its own threads"
+        );
+        // Truncated file: a short read is a miss, never a hang or a panic.
+        data.set_len(0).unwrap();
+        assert_eq!(fetch_blocks(&mut t, &[2], ODD), [None]);
+        assert_eq!(store.snapshot().errors_short, 1);
+    }
 }
 
 #[test]

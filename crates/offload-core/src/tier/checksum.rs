@@ -17,10 +17,12 @@ const LANE_SEEDS: [u64; 4] = [
     0x082E_FA98_EC4E_6C89,
 ];
 
+#[inline(always)]
 fn round(acc: u64, word: u64) -> u64 {
     (acc ^ word).wrapping_mul(PRIME).rotate_left(31)
 }
 
+#[inline(always)]
 fn word(bytes: &[u8]) -> u64 {
     let mut buf = [0u8; 8];
     buf[..bytes.len()].copy_from_slice(bytes);
@@ -32,41 +34,74 @@ fn word(bytes: &[u8]) -> u64 {
 /// Parts are concatenated logically (no copy), so a header and a payload held in
 /// different buffers are summed as the bytes they become on the wire.
 pub(crate) fn checksum(seed: u64, parts: &[&[u8]]) -> u64 {
-    let mut lanes = LANE_SEEDS.map(|s| s ^ seed);
-    let mut total = 0u64;
-    let mut carry = [0u8; 32];
-    let mut carried = 0usize;
+    let mut sum = Checksum::new(seed);
     for part in parts {
-        total = total.wrapping_add(part.len() as u64);
-        let mut rest: &[u8] = part;
-        if carried > 0 {
-            let take = (32 - carried).min(rest.len());
-            carry[carried..carried + take].copy_from_slice(&rest[..take]);
-            carried += take;
+        sum.update(part);
+    }
+    sum.finish()
+}
+
+/// [`checksum`] fed a piece at a time, so a caller can sum bytes while they are in cache
+/// for another reason (a copy) instead of in a pass of their own.
+pub(crate) struct Checksum {
+    seed: u64,
+    lanes: [u64; 4],
+    total: u64,
+    carry: [u8; 32],
+    carried: usize,
+}
+
+impl Checksum {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            lanes: LANE_SEEDS.map(|s| s ^ seed),
+            total: 0,
+            carry: [0; 32],
+            carried: 0,
+        }
+    }
+
+    /// Adds the bytes of `part` after those given before.
+    pub(crate) fn update(&mut self, part: &[u8]) {
+        self.total = self.total.wrapping_add(part.len() as u64);
+        let mut rest = part;
+        if self.carried > 0 {
+            let take = (32 - self.carried).min(rest.len());
+            self.carry[self.carried..self.carried + take].copy_from_slice(&rest[..take]);
+            self.carried += take;
             rest = &rest[take..];
-            if carried < 32 {
-                continue;
+            if self.carried < 32 {
+                return;
             }
-            block(&mut lanes, &carry);
+            block(&mut self.lanes, &self.carry);
         }
         let mut chunks = rest.chunks_exact(32);
         for c in &mut chunks {
-            block(&mut lanes, c);
+            block(&mut self.lanes, c);
         }
         let tail = chunks.remainder();
-        carry[..tail.len()].copy_from_slice(tail);
-        carried = tail.len();
+        self.carry[..tail.len()].copy_from_slice(tail);
+        self.carried = tail.len();
     }
-    for (i, w) in carry[..carried].chunks(8).enumerate() {
-        lanes[i] = round(lanes[i], word(w));
+
+    /// The checksum of every byte given.
+    pub(crate) fn finish(&self) -> u64 {
+        let mut lanes = self.lanes;
+        for (i, w) in self.carry[..self.carried].chunks(8).enumerate() {
+            lanes[i] = round(lanes[i], word(w));
+        }
+        let mut h = round(self.seed ^ PRIME, self.total);
+        for lane in lanes {
+            h = round(h, lane);
+        }
+        h ^ (h >> 29)
     }
-    let mut h = round(seed ^ PRIME, total);
-    for lane in lanes {
-        h = round(h, lane);
-    }
-    h ^ (h >> 29)
 }
 
+// Inlined into the loops that call it: a call per 32 bytes would cost as much as the
+// arithmetic.
+#[inline(always)]
 fn block(lanes: &mut [u64; 4], chunk: &[u8]) {
     for (lane, w) in lanes.iter_mut().zip(chunk.chunks_exact(8)) {
         *lane = round(*lane, word(w));

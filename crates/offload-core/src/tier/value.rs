@@ -15,7 +15,7 @@
 
 use thiserror::Error;
 
-use super::checksum::checksum;
+use super::checksum::{checksum, Checksum};
 use super::key::{LayoutFingerprint, MAX_HASH_BYTES};
 
 const MAGIC: &[u8; 4] = b"KVOF";
@@ -118,7 +118,8 @@ pub fn decode<'a>(
 }
 
 /// Whether `value`'s trailer is the checksum of the bytes before it (a store that verifies
-/// values itself, on its own threads, calls this; see [`decode_verified`]).
+/// values itself, on its own threads, calls this or [`copy_verified`]; see
+/// [`decode_verified`]).
 pub fn checksum_ok(value: &[u8]) -> bool {
     let Some(body_end) = value.len().checked_sub(TRAILER) else {
         return false;
@@ -126,6 +127,29 @@ pub fn checksum_ok(value: &[u8]) -> bool {
     let mut sum = [0u8; 8];
     sum.copy_from_slice(&value[body_end..]);
     checksum(CHECKSUM_SEED, &[&value[..body_end]]) == u64::from_le_bytes(sum)
+}
+
+/// Bytes summed before they are copied, in [`copy_verified`]: small enough that the
+/// piece is still in the core's cache when the copy reads it.
+const VERIFY_PIECE: usize = 16 << 10;
+
+/// A copy of `value` if its trailer is the checksum of the bytes before it.
+///
+/// One pass: each piece is summed, then copied while it is still in cache, so verifying
+/// costs little more than the copy out of an I/O buffer a store makes anyway (a separate
+/// checksum pass reads the whole value from memory once more).
+pub fn copy_verified(value: &[u8]) -> Option<Vec<u8>> {
+    let body_end = value.len().checked_sub(TRAILER)?;
+    let (body, trailer) = value.split_at(body_end);
+    let mut sum = Checksum::new(CHECKSUM_SEED);
+    let mut out = Vec::with_capacity(value.len());
+    for piece in body.chunks(VERIFY_PIECE) {
+        sum.update(piece);
+        out.extend_from_slice(piece);
+    }
+    let expected = u64::from_le_bytes(trailer.try_into().ok()?);
+    out.extend_from_slice(trailer);
+    (sum.finish() == expected).then_some(out)
 }
 
 /// [`decode`] of a value whose checksum the store already verified with [`checksum_ok`]:
@@ -230,6 +254,28 @@ mod tests {
             c[i] ^= 0x40;
             assert!(decode(&c, FP, HASH, b.len()).is_err(), "flip at {i}");
         }
+    }
+
+    #[test]
+    fn copy_verified_is_checksum_ok_across_pieces() {
+        // Longer than two pieces and not a multiple of one, so piece edges fall inside
+        // the payload and the trailer follows a short last piece.
+        let b: Vec<u8> = (0..2 * VERIFY_PIECE as u32 + 999)
+            .map(|i| (i * 7 + 1) as u8)
+            .collect();
+        let v = encode(FP, HASH, &[&b]);
+        assert_eq!(copy_verified(&v).as_deref(), Some(&v[..]));
+        for i in (0..v.len())
+            .step_by(997)
+            .chain([VERIFY_PIECE, v.len() - 9, v.len() - 1])
+        {
+            let mut c = v.clone();
+            c[i] ^= 0x10;
+            assert_eq!(copy_verified(&c), None, "flip at {i}");
+            assert!(!checksum_ok(&c), "flip at {i}");
+        }
+        assert_eq!(copy_verified(&v[..v.len() - 1]), None);
+        assert_eq!(copy_verified(&v[..7]), None);
     }
 
     #[test]

@@ -1,8 +1,14 @@
-//! The owner's in-memory index: one record per slot (24 bytes), grouped in sets, with
-//! the slot's state so a block being written is never read and a block being read is
-//! never overwritten.
+//! The owner's in-memory index: where each block's slot is, and the slot's state, so a
+//! block being written is never read and a block being read is never overwritten.
+//!
+//! Two arrays, one entry per slot, grouped in sets as the files are (`layout`):
+//! `tags` holds 16 bits of a readable block's digest (0: nothing readable), one set's 64
+//! tags in one aligned 128-byte line pair, so a lookup compares them with a few vector
+//! instructions and reads the full record only on a tag match (a miss finds a false tag
+//! match once in a thousand lookups); `records` holds the full digest, the slot's recency
+//! and state. 34 bytes a slot in all ([`SlotIndex::bytes_per_slot`]).
 
-use super::layout::Geometry;
+use super::layout::{Geometry, MAX_WAYS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -11,53 +17,128 @@ enum State {
     Writing,
 }
 
-/// One slot. `readers` counts reads in flight; such a slot is not a victim.
+/// One slot. `readers` counts reads in flight; such a slot is not a victim. The digest
+/// is two halves, not a `u128`, so the record is 8-byte aligned and 32 bytes, not 48.
 #[derive(Debug, Clone, Copy)]
-struct Slot {
-    digest: u128,
+struct Record {
+    digest: [u64; 2],
     tick: u64,
     readers: u16,
     state: State,
 }
 
-const EMPTY: Slot = Slot {
-    digest: 0,
+const EMPTY: Record = Record {
+    digest: [0; 2],
     tick: 0,
     readers: 0,
     state: State::Empty,
 };
 
+fn halves(digest: u128) -> [u64; 2] {
+    [digest as u64, (digest >> 64) as u64]
+}
+
+/// The tag of a readable block: never 0, which marks a slot with nothing readable. Bits
+/// of the low half, as the set is chosen by the high half (`Geometry::set_start`).
+fn tag_of(digest: u128) -> u16 {
+    (digest as u16).max(1)
+}
+
+/// One set's tags, aligned so a set is one 128-byte line pair (the pair the hardware
+/// fetches together).
+#[derive(Debug, Clone, Copy)]
+#[repr(align(128))]
+struct TagSet([u16; MAX_WAYS as usize]);
+
+/// Keys whose sets a batched lookup touches before it scans the first of them, so their
+/// cache misses overlap instead of following each other.
+const LOOKAHEAD: usize = 8;
+
+/// `n` copies of `item`, the memory backed by huge pages where the kernel allows it
+/// (`MADV_HUGEPAGE`): a lookup lands on a random set of a large index, and with 4 KiB
+/// pages nearly every one also misses the TLB.
+fn huge_vec<T: Copy>(n: usize, item: T) -> Vec<T> {
+    const HUGE: usize = 2 << 20;
+    let mut v = Vec::with_capacity(n);
+    let bytes = n * std::mem::size_of::<T>();
+    if bytes >= 2 * HUGE {
+        let start = (v.as_mut_ptr() as usize).next_multiple_of(HUGE);
+        let end = (v.as_mut_ptr() as usize + bytes) / HUGE * HUGE;
+        // SAFETY: [start, end) lies inside the vector's allocation, which this function
+        // owns; the advice changes how the kernel backs the pages, never their contents,
+        // and its failure (no huge pages) leaves ordinary pages.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+    // Filled after the advice, so the first touch of each page already gets a huge one.
+    v.resize(n, item);
+    v
+}
+
 /// Where a put goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Placement {
+#[non_exhaustive]
+pub enum Placement {
     /// The block is there already (same key, same bytes): nothing to write.
     Present,
     /// Write into this slot; `evicted` says whether a block had to go.
-    Write { slot: u64, evicted: bool },
+    Write {
+        /// The slot to write.
+        slot: u64,
+        /// Whether a block was evicted from it.
+        evicted: bool,
+    },
     /// Every slot of the set is busy: skip.
     Busy,
 }
 
-/// Slots of a [`Geometry`], looked up by key digest within the digest's set.
+/// Slots of a [`Geometry`], looked up by key digest within the digest's set. Public for
+/// its benchmark (`benches/disk.rs`); a [`DiskStore`](super::DiskStore) owns one.
 #[derive(Debug)]
-pub(crate) struct Index {
+pub struct SlotIndex {
     geo: Geometry,
-    slots: Vec<Slot>,
+    tags: Vec<TagSet>,
+    records: Vec<Record>,
     clock: u64,
     resident: u64,
 }
 
-impl Index {
+impl SlotIndex {
     pub(crate) fn new(geo: Geometry) -> Self {
         Self {
             geo,
-            slots: vec![EMPTY; geo.slots as usize],
+            tags: huge_vec(geo.sets() as usize, TagSet([0; MAX_WAYS as usize])),
+            records: huge_vec(geo.slots as usize, EMPTY),
             clock: 0,
             resident: 0,
         }
     }
 
-    pub(crate) fn resident(&self) -> u64 {
+    /// An index of `slots` slots in sets of 64, as a disk tier of that many blocks has
+    /// (for the benchmark: no files behind it). `None` for fewer than 64 slots.
+    pub fn with_slots(slots: u64) -> Option<Self> {
+        Geometry::fit(
+            super::layout::IDX_HEADER + slots * (super::layout::ALIGN + 64),
+            super::layout::ALIGN,
+            0,
+        )
+        .filter(|g| g.ways == MAX_WAYS)
+        .map(Self::new)
+    }
+
+    /// Slots the index describes.
+    pub fn slots(&self) -> u64 {
+        self.geo.slots
+    }
+
+    /// Host bytes the index holds per slot: every array's allocated capacity.
+    pub fn bytes_per_slot(&self) -> f64 {
+        let bytes = self.tags.capacity() * std::mem::size_of::<TagSet>()
+            + self.records.capacity() * std::mem::size_of::<Record>();
+        bytes as f64 / self.geo.slots.max(1) as f64
+    }
+
+    /// Blocks readable now.
+    pub fn resident(&self) -> u64 {
         self.resident
     }
 
@@ -71,11 +152,86 @@ impl Index {
         start..start + self.geo.ways as usize
     }
 
+    /// Slot `slot`'s tag.
+    fn tag_mut(&mut self, slot: usize) -> &mut u16 {
+        let ways = self.geo.ways as usize;
+        &mut self.tags[slot / ways].0[slot % ways]
+    }
+
+    /// Which of set `set`'s ways hold `tag`, as a bit mask.
+    fn matches(&self, set: usize, tag: u16) -> u64 {
+        // Eight tags at a time into a byte of the mask: a shape the compiler turns into a
+        // vector compare and a byte mask, where one bit a tag in a 64-step loop is not.
+        let mut mask = 0u64;
+        for (k, eight) in self.tags[set].0.chunks_exact(8).enumerate() {
+            let mut m = 0u8;
+            for (j, &t) in eight.iter().enumerate() {
+                m |= u8::from(t == tag) << j;
+            }
+            mask |= u64::from(m) << (8 * k);
+        }
+        mask
+    }
+
+    /// The first slot of `set` whose tag matched (`matches`) and whose record is `digest`.
+    fn confirm(&self, set: usize, mut matches: u64, digest: u128) -> Option<u64> {
+        let want = halves(digest);
+        let first = set * self.geo.ways as usize;
+        while matches != 0 {
+            let i = first + matches.trailing_zeros() as usize;
+            if self.records[i].digest == want {
+                return Some(i as u64);
+            }
+            matches &= matches - 1;
+        }
+        None
+    }
+
+    fn set_of(&self, digest: u128) -> usize {
+        self.geo.set_of(digest) as usize
+    }
+
     /// The slot holding `digest`, if it is readable.
-    pub(crate) fn find(&self, digest: u128) -> Option<u64> {
-        self.set(digest)
-            .find(|&i| self.slots[i].state == State::Valid && self.slots[i].digest == digest)
-            .map(|i| i as u64)
+    pub fn find(&self, digest: u128) -> Option<u64> {
+        let set = self.set_of(digest);
+        self.confirm(set, self.matches(set, tag_of(digest)), digest)
+    }
+
+    /// [`Self::find`] of every digest, into `out`, in two passes over each 64 digests:
+    /// the tags of every set, then the records of the tag matches, each touched
+    /// [`LOOKAHEAD`] keys before it is used, so a batch's cache misses overlap instead of
+    /// following each other.
+    pub fn find_many(&self, digests: &[u128], out: &mut Vec<Option<u64>>) {
+        out.clear();
+        out.reserve(digests.len());
+        let ways = self.geo.ways as usize;
+        let mut touched = 0u64;
+        let mut sets = [0usize; 64];
+        let mut found = [0u64; 64];
+        for chunk in digests.chunks(64) {
+            for (i, &d) in chunk.iter().enumerate() {
+                sets[i] = self.set_of(d);
+            }
+            for i in 0..chunk.len() {
+                if let Some(&ahead) = sets
+                    .get(i + LOOKAHEAD)
+                    .filter(|_| i + LOOKAHEAD < chunk.len())
+                {
+                    touched ^= u64::from(self.tags[ahead].0[0]);
+                }
+                found[i] = self.matches(sets[i], tag_of(chunk[i]));
+            }
+            for i in 0..chunk.len() {
+                let ahead = i + LOOKAHEAD;
+                if ahead < chunk.len() && found[ahead] != 0 {
+                    let slot = sets[ahead] * ways + found[ahead].trailing_zeros() as usize;
+                    touched ^= self.records[slot].tick;
+                }
+                out.push(self.confirm(sets[i], found[i], chunk[i]));
+            }
+        }
+        // Kept, so the touches are not optimized away.
+        std::hint::black_box(touched);
     }
 
     /// Marks a read of `digest` started: its slot, now protected from eviction and
@@ -83,49 +239,52 @@ impl Index {
     pub(crate) fn begin_read(&mut self, digest: u128) -> Option<u64> {
         let slot = self.find(digest)?;
         let t = self.tick();
-        let s = &mut self.slots[slot as usize];
-        s.readers += 1;
-        s.tick = t;
+        let r = &mut self.records[slot as usize];
+        r.readers += 1;
+        r.tick = t;
         Some(slot)
     }
 
     pub(crate) fn end_read(&mut self, slot: u64) {
-        let s = &mut self.slots[slot as usize];
-        s.readers = s.readers.saturating_sub(1);
+        let r = &mut self.records[slot as usize];
+        r.readers = r.readers.saturating_sub(1);
     }
 
     /// Where to write `digest`; the slot is `Writing` until [`Self::finish_write`].
-    pub(crate) fn place(&mut self, digest: u128) -> Placement {
+    pub fn place(&mut self, digest: u128) -> Placement {
         if let Some(slot) = self.find(digest) {
             let t = self.tick();
-            self.slots[slot as usize].tick = t;
+            self.records[slot as usize].tick = t;
             return Placement::Present;
         }
         let set = self.set(digest);
+        let want = halves(digest);
+        let records = &self.records;
         if set
             .clone()
-            .any(|i| self.slots[i].state == State::Writing && self.slots[i].digest == digest)
+            .any(|i| records[i].state == State::Writing && records[i].digest == want)
         {
             // Another batch writes the same block now.
             return Placement::Present;
         }
         let victim = set
             .clone()
-            .find(|&i| self.slots[i].state == State::Empty)
+            .find(|&i| records[i].state == State::Empty)
             .or_else(|| {
-                set.filter(|&i| self.slots[i].state == State::Valid && self.slots[i].readers == 0)
-                    .min_by_key(|&i| self.slots[i].tick)
+                set.filter(|&i| records[i].state == State::Valid && records[i].readers == 0)
+                    .min_by_key(|&i| records[i].tick)
             });
         let Some(i) = victim else {
             return Placement::Busy;
         };
-        let evicted = self.slots[i].state == State::Valid;
+        let evicted = self.records[i].state == State::Valid;
         if evicted {
             self.resident -= 1;
         }
         let t = self.tick();
-        self.slots[i] = Slot {
-            digest,
+        *self.tag_mut(i) = 0;
+        self.records[i] = Record {
+            digest: want,
             tick: t,
             readers: 0,
             state: State::Writing,
@@ -137,38 +296,43 @@ impl Index {
     }
 
     /// Ends a write: the slot holds its block when `ok`, nothing otherwise.
-    pub(crate) fn finish_write(&mut self, slot: u64, ok: bool) {
-        let s = &mut self.slots[slot as usize];
+    pub fn finish_write(&mut self, slot: u64, ok: bool) {
+        let i = slot as usize;
+        let r = &mut self.records[i];
         if ok {
-            s.state = State::Valid;
+            r.state = State::Valid;
+            let tag = tag_of(u128::from(r.digest[0]) | u128::from(r.digest[1]) << 64);
             self.resident += 1;
+            *self.tag_mut(i) = tag;
         } else {
-            *s = EMPTY;
+            *r = EMPTY;
         }
     }
 
     /// Forgets the block in `slot` (it failed a check).
     pub(crate) fn drop_slot(&mut self, slot: u64, digest: u128) {
-        let s = &mut self.slots[slot as usize];
-        if s.digest == digest && s.state == State::Valid {
+        let i = slot as usize;
+        let r = &mut self.records[i];
+        if r.digest == halves(digest) && r.state == State::Valid {
             self.resident -= 1;
-            s.state = State::Empty;
-            s.digest = 0;
+            *r = EMPTY;
+            *self.tag_mut(i) = 0;
         }
     }
 
     /// Restores a block found at start; `seq` (its write order) becomes its recency.
     pub(crate) fn restore(&mut self, slot: u64, digest: u128, seq: u64) {
-        let s = &mut self.slots[slot as usize];
-        if s.state != State::Valid {
+        let i = slot as usize;
+        if self.records[i].state != State::Valid {
             self.resident += 1;
         }
-        *s = Slot {
-            digest,
+        self.records[i] = Record {
+            digest: halves(digest),
             tick: seq,
             readers: 0,
             state: State::Valid,
         };
+        *self.tag_mut(i) = tag_of(digest);
         self.clock = self.clock.max(seq);
     }
 
@@ -189,7 +353,7 @@ mod tests {
 
     #[test]
     fn lru_within_a_set_and_busy_slots_are_kept() {
-        let mut ix = Index::new(geo(4));
+        let mut ix = SlotIndex::new(geo(4));
         for d in 1..=4u128 {
             let Placement::Write { slot, evicted } = ix.place(d) else {
                 panic!()
@@ -224,5 +388,33 @@ mod tests {
             ix.end_read(s);
         }
         assert_eq!(ix.resident(), 4);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tag_tests {
+    use super::*;
+
+    #[test]
+    fn a_tag_match_with_another_digest_is_not_a_hit() {
+        let mut ix = SlotIndex::with_slots(128).unwrap();
+        assert_eq!(ix.bytes_per_slot(), 34.0);
+        assert_eq!(ix.slots(), 128);
+        // Same set (high half), same tag (low 16 bits), another digest.
+        let a = 5u128 << 64 | 0x1234_0007;
+        let b = 5u128 << 64 | 0x9999_0007;
+        let Placement::Write { slot, .. } = ix.place(a) else {
+            panic!()
+        };
+        ix.finish_write(slot, true);
+        assert_eq!(ix.find(a), Some(slot));
+        assert_eq!(ix.find(b), None);
+        let mut found = Vec::new();
+        ix.find_many(&[b, a, b, a], &mut found);
+        assert_eq!(found, [None, Some(slot), None, Some(slot)]);
+        ix.drop_slot(slot, a);
+        assert_eq!(ix.find(a), None, "a dropped block's tag is cleared");
+        assert_eq!(ix.resident(), 0);
     }
 }

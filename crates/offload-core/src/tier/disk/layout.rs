@@ -35,7 +35,10 @@ pub(crate) const ENTRY_BYTES: usize = 64;
 pub(crate) const MAX_WAYS: u64 = 64;
 
 const FILE_MAGIC: &[u8; 8] = b"KVOFDISK";
-const FILE_VERSION: u32 = 1;
+/// 2: a digest's set is picked by a multiply-shift, not a remainder (a division costs as
+/// much as the rest of an in-memory lookup). A version-1 file keeps its blocks in other
+/// sets: its header no longer matches, so it is wiped at start, never read.
+const FILE_VERSION: u32 = 2;
 const ENTRY_MAGIC: &[u8; 4] = b"KVDE";
 const ENTRY_SEED: u64 = 0x6b76_6469_736b_656e;
 const DIGEST_SEEDS: [u64; 2] = [0x6469_736b_6b65_7931, 0x6469_736b_6b65_7932];
@@ -80,11 +83,16 @@ impl Geometry {
         self.slots / self.ways
     }
 
+    /// `digest`'s set: its high half scaled to `0..sets` (multiply, keep the high word).
+    pub(crate) fn set_of(&self, digest: u128) -> u64 {
+        // The high half, so set choice and the low half compared in the in-memory tags
+        // are independent.
+        ((u128::from((digest >> 64) as u64) * u128::from(self.sets())) >> 64) as u64
+    }
+
     /// The first slot of `digest`'s set.
     pub(crate) fn set_start(&self, digest: u128) -> u64 {
-        // The digest's high half, so set choice and the low half compared in the
-        // in-memory tags are independent.
-        ((digest >> 64) as u64 % self.sets()) * self.ways
+        self.set_of(digest) * self.ways
     }
 
     pub(crate) fn data_offset(&self, slot: u64) -> u64 {
@@ -219,6 +227,31 @@ mod tests {
             assert_eq!(Geometry::decode_header(&g.encode_header()), Some(g));
         }
         assert!(Geometry::fit(4096, 100, 0).is_none());
+    }
+
+    #[test]
+    fn a_header_of_another_file_version_is_not_this_geometry() {
+        let g = Geometry::fit(10 << 20, 4096, 9).unwrap();
+        let mut h = g.encode_header();
+        h[8..12].copy_from_slice(&1u32.to_le_bytes());
+        // Re-summed, so only the version differs from a valid header.
+        const BODY: usize = 8 + 4 + 4 + 4 * 8 + 16;
+        let sum = checksum(ENTRY_SEED, &[&h[..BODY]]);
+        h[BODY..BODY + 8].copy_from_slice(&sum.to_le_bytes());
+        assert_eq!(Geometry::decode_header(&h), None);
+    }
+
+    #[test]
+    fn sets_spread_over_the_whole_range() {
+        let g = Geometry::fit(4096 + 640 * (4096 + 64), 4096, 0).unwrap();
+        assert_eq!(g.sets(), 10);
+        let mut seen = [false; 10];
+        for i in 0..1000u64 {
+            let d = u128::from(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)) << 64;
+            seen[g.set_of(d) as usize] = true;
+        }
+        assert!(seen.iter().all(|&s| s));
+        assert_eq!(g.set_of(u128::MAX), 9);
     }
 
     #[test]

@@ -22,8 +22,9 @@
 //! entries (blocks of another layout or capacity are wiped, never served).
 //!
 //! # Failures
-//! Every read is checked (entry, trailer here; the full checksum in `value::decode`); a
-//! bad block is a miss, counted, its slot freed. A failed write is a counted skip, a
+//! Every read is checked on the I/O thread that made it (the index entry, the value's
+//! trailer, and the full checksum, summed in the copy out of the I/O buffer), the header
+//! in `value::decode_verified`; a bad block is a miss, counted, its slot freed. A failed write is a counted skip, a
 //! failed read a miss. [`DISABLE_AFTER_ERRORS`] failed I/Os in a row turn the tier off
 //! (one log line, the `disk_disabled` gauge); nothing waits on a failing disk.
 
@@ -32,12 +33,17 @@ mod error;
 mod file;
 mod index;
 mod layout;
+mod options;
 mod reader;
+mod recovery;
+mod slot_io;
 mod stats;
 mod store;
 
 pub use config::DiskConfig;
 pub use error::{DiskError, IoKind};
+pub use index::{Placement, SlotIndex};
+pub use options::{DiskOptions, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
 pub use reader::DiskProbe;
 pub use stats::{DiskSnapshot, DiskStats};
-pub use store::{DiskOptions, DiskStore, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
+pub use store::DiskStore;

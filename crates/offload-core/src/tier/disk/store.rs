@@ -6,84 +6,36 @@
 //! device's queue, not one block at a time, decides the speed).
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use super::error::{DiskError, IoKind};
 use super::file::{self, AlignedBuf, DataFile, DiskFaults, FileSet};
-use super::index::{Index, Placement};
-use super::layout::{key_digest, Entry, Geometry, ENTRY_BYTES, IDX_HEADER};
+use super::index::{Placement, SlotIndex};
+use super::layout::{key_digest, Geometry};
+use super::options::{DiskOptions, DISABLE_AFTER_ERRORS};
+use super::recovery::{matches_header, rebuild};
 use super::stats::{DiskSnapshot, DiskStats};
-use crate::tier::value::checksum_ok;
-use crate::tier::{LayoutFingerprint, RemoteKey, RemoteStore, TierError};
-use crate::transfer::FaultPlan;
+use crate::tier::{RemoteKey, RemoteStore, TierError};
 
-/// Consecutive failed I/Os after which the tier turns itself off.
-pub const DISABLE_AFTER_ERRORS: u64 = 16;
-/// Threads a batch's I/O runs on when none is given.
-pub const DEFAULT_IO_THREADS: usize = 8;
-
-/// How to open a rank's files.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct DiskOptions {
-    /// `<disk_path>.rank_<N>`; the index is this path plus `.idx`.
-    pub path: PathBuf,
-    /// Bytes the two files may take together.
-    pub capacity_bytes: u64,
-    /// Bytes of every value (all blocks of a layout encode to one length).
-    pub value_bytes: u64,
-    /// The layout whose blocks the files hold; a persisted file of another is wiped.
-    pub fingerprint: LayoutFingerprint,
-    /// Buffered I/O instead of `O_DIRECT`.
-    pub use_page_cache: bool,
-    /// Keep the files at shutdown and serve them after a restart.
-    pub persist: bool,
-    /// Most I/Os of one batch in flight at once.
-    pub io_threads: usize,
-    /// Faults to inject (tests).
-    pub faults: FaultPlan,
-}
-
-impl DiskOptions {
-    /// Options with the defaults: `O_DIRECT`, not persisted, no faults.
-    pub fn new(
-        path: impl Into<PathBuf>,
-        capacity_bytes: u64,
-        value_bytes: u64,
-        fingerprint: LayoutFingerprint,
-    ) -> Self {
-        Self {
-            path: path.into(),
-            capacity_bytes,
-            value_bytes,
-            fingerprint,
-            use_page_cache: false,
-            persist: false,
-            io_threads: DEFAULT_IO_THREADS,
-            faults: FaultPlan::default(),
-        }
-    }
-}
-
-struct Shared {
-    files: FileSet,
-    data: DataFile,
-    idx: File,
-    geo: Geometry,
-    index: Mutex<Index>,
-    stats: Arc<DiskStats>,
-    faults: DiskFaults,
-    persist: bool,
-    io_threads: usize,
-    consecutive_errors: AtomicU64,
-    disabled: AtomicBool,
-    seq: AtomicU64,
+pub(super) struct Shared {
+    pub(super) files: FileSet,
+    pub(super) data: DataFile,
+    pub(super) idx: File,
+    pub(super) geo: Geometry,
+    pub(super) index: Mutex<SlotIndex>,
+    pub(super) stats: Arc<DiskStats>,
+    pub(super) faults: DiskFaults,
+    pub(super) persist: bool,
+    pub(super) io_threads: usize,
+    pub(super) consecutive_errors: AtomicU64,
+    pub(super) disabled: AtomicBool,
+    pub(super) seq: AtomicU64,
     /// Slot-sized aligned buffers, reused: allocating and zeroing one per I/O costs as
     /// much as a fast device's read.
-    buffers: Mutex<Vec<AlignedBuf>>,
+    pub(super) buffers: Mutex<Vec<AlignedBuf>>,
 }
 
 impl Drop for Shared {
@@ -106,7 +58,7 @@ fn fsync(data: &DataFile) -> std::io::Result<()> {
 /// One rank's disk tier (the owner of its files; see the module docs).
 #[derive(Clone)]
 pub struct DiskStore {
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for DiskStore {
@@ -142,7 +94,7 @@ impl DiskStore {
         file::lock_exclusive(&idx, &files.idx)?;
         let data = file::open_data(&files.data, opts.use_page_cache)?;
         let stats = Arc::new(DiskStats::default());
-        let mut index = Index::new(geo);
+        let mut index = SlotIndex::new(geo);
         let started = Instant::now();
         let kept = opts.persist && matches_header(&idx, &geo);
         if kept {
@@ -239,7 +191,7 @@ impl DiskStore {
         Some(self.shared.geo.data_offset(slot))
     }
 
-    fn index(&self) -> MutexGuard<'_, Index> {
+    fn index(&self) -> MutexGuard<'_, SlotIndex> {
         self.shared
             .index
             .lock()
@@ -254,7 +206,7 @@ impl DiskStore {
 
     /// Counts one I/O's outcome; the error that reaches [`DISABLE_AFTER_ERRORS`] in a row
     /// disables the tier, logged once.
-    fn outcome(&self, result: Result<(), IoKind>) {
+    pub(super) fn outcome(&self, result: Result<(), IoKind>) {
         let s = &self.shared;
         match result {
             Ok(()) => s.consecutive_errors.store(0, Ordering::Relaxed),
@@ -278,169 +230,9 @@ impl DiskStore {
         self.shared.disabled.load(Ordering::Acquire)
     }
 
-    fn update_resident(&self, index: &Index) {
+    fn update_resident(&self, index: &SlotIndex) {
         DiskStats::set(&self.shared.stats.resident_blocks, index.resident());
     }
-
-    /// Reads one slot and checks its bytes against the entry's commitment (length and the
-    /// value's trailer) and the value's checksum; the header is the caller's
-    /// (`value::decode_verified`).
-    fn read_slot(&self, slot: u64) -> Result<Option<Vec<u8>>, IoKind> {
-        let s = &self.shared;
-        let geo = &s.geo;
-        let mut buf = self.buffer();
-        let read = s
-            .data
-            .read(buf.as_mut_slice(), geo.data_offset(slot), &s.faults);
-        let result = read.map(|()| self.check_slot(slot, &buf));
-        self.give_back(buf);
-        result
-    }
-
-    /// The value in `buf` (slot `slot`'s bytes) if its entry commits to it.
-    fn check_slot(&self, slot: u64, buf: &AlignedBuf) -> Option<Vec<u8>> {
-        let s = &self.shared;
-        let geo = &s.geo;
-        let mut raw = [0u8; ENTRY_BYTES];
-        let entry = match read_entry(&s.idx, geo, slot, &mut raw) {
-            Ok(()) => Entry::decode(&raw),
-            Err(_) => None,
-        };
-        let value = &buf.as_slice()[..geo.value_len as usize];
-        let trailer = value
-            .get(value.len().saturating_sub(8)..)
-            .and_then(|t| <[u8; 8]>::try_from(t).ok())
-            .map(u64::from_le_bytes);
-        let intact =
-            entry.is_some_and(|e| e.value_len == geo.value_len && Some(e.value_sum) == trailer);
-        // The full checksum here, on the I/O threads, so a batch's blocks are verified in
-        // parallel and a bad one frees its slot (`verifies_checksums`).
-        (intact && checksum_ok(value)).then(|| value.to_vec())
-    }
-
-    fn buffer(&self) -> AlignedBuf {
-        let pooled = self
-            .shared
-            .buffers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
-        pooled.unwrap_or_else(|| AlignedBuf::new(self.shared.geo.slot_bytes as usize))
-    }
-
-    fn give_back(&self, buf: AlignedBuf) {
-        let mut pool = self
-            .shared
-            .buffers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if pool.len() < 2 * self.shared.io_threads {
-            pool.push(buf);
-        }
-    }
-
-    fn write_slot(&self, slot: u64, digest: u128, value: &[u8]) -> Result<(), IoKind> {
-        let s = &self.shared;
-        let geo = &s.geo;
-        let mut buf = self.buffer();
-        let b = buf.as_mut_slice();
-        b[..value.len()].copy_from_slice(value);
-        // A reused buffer holds another block's tail: the padding is zeroed so nothing
-        // of it reaches the disk.
-        b[value.len()..].fill(0);
-        let written = s
-            .data
-            .write(buf.as_slice(), geo.data_offset(slot), &s.faults);
-        self.give_back(buf);
-        written?;
-        let trailer = value
-            .get(value.len().saturating_sub(8)..)
-            .and_then(|t| <[u8; 8]>::try_from(t).ok())
-            .map_or(0, u64::from_le_bytes);
-        let entry = Entry {
-            digest,
-            value_len: value.len() as u64,
-            seq: s.seq.fetch_add(1, Ordering::Relaxed) + 1,
-            value_sum: trailer,
-        };
-        use std::os::unix::fs::FileExt;
-        // The entry goes after the data: it commits the slot (see `layout`).
-        s.idx
-            .write_all_at(&entry.encode(), geo.entry_offset(slot))
-            .map_err(|e| file::classify(&e))
-    }
-
-    /// Erases `slot`'s entry on disk, so a restart does not find the bad block again.
-    /// Best effort: an entry left behind fails the same check again.
-    fn clear_entry(&self, slot: u64) {
-        use std::os::unix::fs::FileExt;
-        let s = &self.shared;
-        let _ = s
-            .idx
-            .write_all_at(&[0u8; ENTRY_BYTES], s.geo.entry_offset(slot));
-    }
-
-    /// Runs `work` on every item, on up to `io_threads` threads.
-    fn parallel<T: Sync, R: Send>(&self, items: &[T], work: impl Fn(&T) -> R + Sync) -> Vec<R> {
-        let threads = self.shared.io_threads.min(items.len());
-        if threads <= 1 {
-            return items.iter().map(&work).collect();
-        }
-        let chunk = items.len().div_ceil(threads);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = items
-                .chunks(chunk)
-                .map(|part| scope.spawn(|| part.iter().map(&work).collect::<Vec<R>>()))
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        })
-    }
-}
-
-/// Reads slot `slot`'s entry into `raw`.
-fn read_entry(idx: &File, geo: &Geometry, slot: u64, raw: &mut [u8]) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    idx.read_exact_at(raw, geo.entry_offset(slot))
-}
-
-/// Whether the index file describes exactly `geo` (same capacity, block size, layout).
-fn matches_header(idx: &File, geo: &Geometry) -> bool {
-    use std::os::unix::fs::FileExt;
-    let mut h = vec![0u8; IDX_HEADER as usize];
-    idx.read_exact_at(&mut h, 0).is_ok() && Geometry::decode_header(&h) == Some(*geo)
-}
-
-/// Fills `index` from the entries a previous engine committed.
-fn rebuild(idx: &File, geo: &Geometry, index: &mut Index, path: &Path) -> Result<(), DiskError> {
-    use std::os::unix::fs::FileExt;
-    const CHUNK: u64 = 8192;
-    let mut buf = vec![0u8; (CHUNK as usize) * ENTRY_BYTES];
-    let mut slot = 0;
-    while slot < geo.slots {
-        let n = CHUNK.min(geo.slots - slot);
-        let bytes = &mut buf[..n as usize * ENTRY_BYTES];
-        idx.read_exact_at(bytes, geo.entry_offset(slot))
-            .map_err(|e| DiskError::Open {
-                path: path.to_path_buf(),
-                reason: format!("reading the index: {e}"),
-            })?;
-        for (i, raw) in bytes.chunks_exact(ENTRY_BYTES).enumerate() {
-            let s = slot + i as u64;
-            let Some(e) = Entry::decode(raw) else {
-                continue;
-            };
-            // An entry in a set its digest does not pick was not written by this layout.
-            let in_set = (geo.set_start(e.digest)..geo.set_start(e.digest) + geo.ways).contains(&s);
-            if in_set && e.value_len == geo.value_len {
-                index.restore(s, e.digest, e.seq);
-            }
-        }
-        slot += n;
-    }
-    Ok(())
 }
 
 impl RemoteStore for DiskStore {
@@ -448,10 +240,13 @@ impl RemoteStore for DiskStore {
         if self.is_disabled() {
             return keys.iter().map(|_| Ok(false)).collect();
         }
-        let index = self.index();
-        keys.iter()
-            .map(|k| Ok(index.find(key_digest(k.as_str().as_bytes())).is_some()))
-            .collect()
+        let digests: Vec<u128> = keys
+            .iter()
+            .map(|k| key_digest(k.as_str().as_bytes()))
+            .collect();
+        let mut found = Vec::new();
+        self.index().find_many(&digests, &mut found);
+        found.into_iter().map(|slot| Ok(slot.is_some())).collect()
     }
 
     fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {

@@ -1,0 +1,219 @@
+//! What `benches/disk.rs` measures with: raw sequential I/O, the Python copy of Simple's
+//! read loop, reads and writes through the tier, and just enough JSON writing.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+use offload_core::tier::disk::DiskStore;
+use offload_core::tier::{KeySpace, LayoutFingerprint, RemoteTier, TierStats};
+
+/// Bytes of one raw call (`dd bs=4M`).
+pub(crate) const RAW_CHUNK: usize = 4 << 20;
+
+const PY_SIMPLE_LOOP: &str = r#"
+import mmap, os, sys, time
+path, block, n, direct = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+slots = [mmap.mmap(-1, block) for _ in range(2)]
+views = [[memoryview(s)] for s in slots]
+t = time.perf_counter()
+for i in range(n):
+    got = os.preadv(fd, views[i % 2], i * block)
+    if got < block:
+        raise OSError("short read")
+print(time.perf_counter() - t)
+"#;
+
+/// Seconds of CPU this thread has used: a rate per CPU second is a rate per core even
+/// when other processes share the cores.
+pub(crate) fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec the call fills.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+pub(crate) fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+pub(crate) fn median(v: &mut [f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+struct Aligned(Vec<u8>, usize);
+
+impl Aligned {
+    fn new(len: usize) -> Self {
+        let v = vec![0u8; len + 4096];
+        let off = v.as_ptr().align_offset(4096);
+        Self(v, off)
+    }
+    fn buf(&mut self, len: usize) -> &mut [u8] {
+        &mut self.0[self.1..self.1 + len]
+    }
+}
+
+/// GB/s of sequential I/O over `len` bytes of `path` in 4 MiB calls, `O_DIRECT` when
+/// `direct`.
+pub(crate) fn raw(path: &Path, len: u64, write: bool, direct: bool) -> f64 {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(if direct { libc::O_DIRECT } else { 0 })
+        .open(path)
+        .expect("open raw file");
+    let mut buf = Aligned::new(RAW_CHUNK);
+    buf.buf(RAW_CHUNK).fill(0x5a);
+    let t = Instant::now();
+    let mut off = 0;
+    while off < len {
+        let b = buf.buf(RAW_CHUNK);
+        let n = if write {
+            f.write_at(b, off)
+        } else {
+            f.read_at(b, off)
+        }
+        .expect("raw io");
+        assert_eq!(n, RAW_CHUNK, "raw io short");
+        off += RAW_CHUNK as u64;
+    }
+    len as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// GB/s of the Python copy of Simple's read loop over `n` blocks of `path`.
+pub(crate) fn python_simple_loop(path: &Path, block: u64, n: u64, direct: bool) -> f64 {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(python)
+        .args(["-c", PY_SIMPLE_LOOP])
+        .arg(path)
+        .arg(block.to_string())
+        .arg(n.to_string())
+        .arg(if direct { "1" } else { "0" })
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let secs: f64 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("seconds");
+    (block * n) as f64 / secs / 1e9
+}
+
+/// Writes `path` out and drops it from the page cache, so the next read comes from the
+/// device; its size.
+pub(crate) fn drop_cached(path: &Path) -> u64 {
+    let f = std::fs::File::open(path).expect("open to drop from the cache");
+    f.sync_all().expect("sync");
+    // SAFETY: a valid open descriptor; the call only advises the kernel.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0, "posix_fadvise");
+    f.metadata().expect("size").len()
+}
+
+pub(crate) fn hash(i: u64) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    h[..8].copy_from_slice(&i.to_le_bytes());
+    h
+}
+
+pub(crate) fn tier(store: &DiskStore) -> RemoteTier {
+    RemoteTier::new(
+        Box::new(store.clone()),
+        KeySpace::new("bench", LayoutFingerprint(0xbe9c)).expect("namespace"),
+        Arc::new(TierStats::default()),
+    )
+}
+
+/// `0..n` in a seeded random order.
+pub(crate) fn shuffled(n: u64, seed: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = (0..n).collect();
+    let mut s = seed | 1;
+    for i in (1..v.len()).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        v.swap(i, (s % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+/// GB/s of payload read through the tier (fetch: read, verify), `batch` blocks a fetch.
+pub(crate) fn tier_read(t: &mut RemoteTier, order: &[u64], block: usize, batch: usize) -> f64 {
+    let start = Instant::now();
+    for chunk in order.chunks(batch) {
+        let hashes: Vec<[u8; 16]> = chunk.iter().map(|&i| hash(i)).collect();
+        let got = t.fetch(&hashes, block).expect("fetch");
+        assert!(got.iter().all(Option::is_some), "a block missed");
+    }
+    (order.len() * block) as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// GB/s of payload written through the tier, blocks `ids`, `batch` blocks a store. The
+/// ids must be new to the tier: a block already there is not written again.
+pub(crate) fn tier_write(t: &mut RemoteTier, ids: &[u64], payload: &[u8], batch: usize) -> f64 {
+    let start = Instant::now();
+    for chunk in ids.chunks(batch) {
+        let blocks: Vec<([u8; 16], Vec<&[u8]>)> =
+            chunk.iter().map(|&i| (hash(i), vec![payload])).collect();
+        assert_eq!(
+            t.store(&blocks).expect("store"),
+            chunk.len(),
+            "a write skipped"
+        );
+    }
+    (ids.len() * payload.len()) as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// Just enough JSON writing for objects of numbers, strings, lists and objects.
+#[derive(Default)]
+pub(crate) struct Obj(Vec<(String, String)>);
+
+impl Obj {
+    pub(crate) fn num(mut self, k: &str, v: f64) -> Self {
+        self.0.push((k.into(), format!("{v}")));
+        self
+    }
+    pub(crate) fn text(mut self, k: &str, v: &str) -> Self {
+        self.0.push((k.into(), format!("{v:?}")));
+        self
+    }
+    pub(crate) fn list(mut self, k: &str, v: &[f64]) -> Self {
+        let items: Vec<String> = v.iter().map(|x| format!("{x}")).collect();
+        self.0.push((k.into(), format!("[{}]", items.join(", "))));
+        self
+    }
+    pub(crate) fn obj(mut self, k: &str, v: Obj) -> Self {
+        self.0.push((k.into(), v.render()));
+        self
+    }
+    pub(crate) fn objs(mut self, k: &str, v: Vec<Obj>) -> Self {
+        let items: Vec<String> = v.iter().map(Obj::render).collect();
+        self.0.push((k.into(), format!("[{}]", items.join(", "))));
+        self
+    }
+    pub(crate) fn render(&self) -> String {
+        let items: Vec<String> = self.0.iter().map(|(k, v)| format!("{k:?}: {v}")).collect();
+        format!("{{{}}}", items.join(", "))
+    }
+}

@@ -1,0 +1,54 @@
+//! [`DiskOptions`]: how a rank's disk tier opens its files, and the tier's constants.
+
+use std::path::PathBuf;
+
+use crate::tier::LayoutFingerprint;
+use crate::transfer::FaultPlan;
+
+/// Consecutive failed I/Os after which the tier turns itself off.
+pub const DISABLE_AFTER_ERRORS: u64 = 16;
+/// Threads a batch's I/O runs on when none is given.
+pub const DEFAULT_IO_THREADS: usize = 8;
+
+/// How to open a rank's files.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DiskOptions {
+    /// `<disk_path>.rank_<N>`; the index is this path plus `.idx`.
+    pub path: PathBuf,
+    /// Bytes the two files may take together.
+    pub capacity_bytes: u64,
+    /// Bytes of every value (all blocks of a layout encode to one length).
+    pub value_bytes: u64,
+    /// The layout whose blocks the files hold; a persisted file of another is wiped.
+    pub fingerprint: LayoutFingerprint,
+    /// Buffered I/O instead of `O_DIRECT`.
+    pub use_page_cache: bool,
+    /// Keep the files at shutdown and serve them after a restart.
+    pub persist: bool,
+    /// Most I/Os of one batch in flight at once.
+    pub io_threads: usize,
+    /// Faults to inject (tests).
+    pub faults: FaultPlan,
+}
+
+impl DiskOptions {
+    /// Options with the defaults: `O_DIRECT`, not persisted, no faults.
+    pub fn new(
+        path: impl Into<PathBuf>,
+        capacity_bytes: u64,
+        value_bytes: u64,
+        fingerprint: LayoutFingerprint,
+    ) -> Self {
+        Self {
+            path: path.into(),
+            capacity_bytes,
+            value_bytes,
+            fingerprint,
+            use_page_cache: false,
+            persist: false,
+            io_threads: DEFAULT_IO_THREADS,
+            faults: FaultPlan::default(),
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! One slot's I/O for [`DiskStore`]: reading and checking a block, writing it and its
+//! entry, erasing an entry, the reused aligned buffers, and a batch's I/Os spread over
+//! the store's threads.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::PoisonError;
+
+use super::error::IoKind;
+use super::file::{self, AlignedBuf};
+use super::layout::{Entry, ENTRY_BYTES};
+use super::recovery::read_entry;
+use super::store::DiskStore;
+use crate::tier::value::{checksum_ok, copy_verified};
+
+impl DiskStore {
+    /// Reads one slot and checks its bytes against the entry's commitment (length and the
+    /// value's trailer) and the value's checksum; the header is the caller's
+    /// (`value::decode_verified`). The checksum runs here, on the I/O threads, so a batch's
+    /// blocks are verified in parallel and a bad one frees its slot (`verifies_checksums`).
+    pub(super) fn read_slot(&self, slot: u64) -> Result<Option<Vec<u8>>, IoKind> {
+        let s = &self.shared;
+        let geo = &s.geo;
+        let offset = geo.data_offset(slot);
+        if !s.data.is_direct() {
+            // Buffered I/O needs no aligned buffer: the kernel copies from the page cache
+            // straight into the value handed out, and the checksum reads bytes that copy
+            // just left in the cache.
+            let mut value = vec![0u8; geo.value_len as usize];
+            s.data.read(&mut value, offset, &s.faults)?;
+            return Ok((self.committed(slot, &value) && checksum_ok(&value)).then_some(value));
+        }
+        let mut buf = self.buffer();
+        let read = s.data.read(buf.as_mut_slice(), offset, &s.faults);
+        let value = &buf.as_slice()[..geo.value_len as usize];
+        // `O_DIRECT` leaves the bytes in memory, not in cache: summed in the copy out of
+        // the aligned buffer, not in a pass of their own.
+        let result = read.map(|()| {
+            if self.committed(slot, value) {
+                copy_verified(value)
+            } else {
+                None
+            }
+        });
+        self.give_back(buf);
+        result
+    }
+
+    /// Whether slot `slot`'s entry commits to `value` (its length and trailer).
+    fn committed(&self, slot: u64, value: &[u8]) -> bool {
+        let s = &self.shared;
+        let geo = &s.geo;
+        let mut raw = [0u8; ENTRY_BYTES];
+        let entry = match read_entry(&s.idx, geo, slot, &mut raw) {
+            Ok(()) => Entry::decode(&raw),
+            Err(_) => None,
+        };
+        let trailer = value
+            .get(value.len().saturating_sub(8)..)
+            .and_then(|t| <[u8; 8]>::try_from(t).ok())
+            .map(u64::from_le_bytes);
+        entry.is_some_and(|e| e.value_len == geo.value_len && Some(e.value_sum) == trailer)
+    }
+
+    fn buffer(&self) -> AlignedBuf {
+        let pooled = self
+            .shared
+            .buffers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        pooled.unwrap_or_else(|| AlignedBuf::new(self.shared.geo.slot_bytes as usize))
+    }
+
+    fn give_back(&self, buf: AlignedBuf) {
+        let mut pool = self
+            .shared
+            .buffers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if pool.len() < 2 * self.shared.io_threads {
+            pool.push(buf);
+        }
+    }
+
+    pub(super) fn write_slot(&self, slot: u64, digest: u128, value: &[u8]) -> Result<(), IoKind> {
+        let s = &self.shared;
+        let geo = &s.geo;
+        let mut buf = self.buffer();
+        let b = buf.as_mut_slice();
+        b[..value.len()].copy_from_slice(value);
+        // A reused buffer holds another block's tail: the padding is zeroed so nothing
+        // of it reaches the disk.
+        b[value.len()..].fill(0);
+        let written = s
+            .data
+            .write(buf.as_slice(), geo.data_offset(slot), &s.faults);
+        self.give_back(buf);
+        written?;
+        let trailer = value
+            .get(value.len().saturating_sub(8)..)
+            .and_then(|t| <[u8; 8]>::try_from(t).ok())
+            .map_or(0, u64::from_le_bytes);
+        let entry = Entry {
+            digest,
+            value_len: value.len() as u64,
+            seq: s.seq.fetch_add(1, Ordering::Relaxed) + 1,
+            value_sum: trailer,
+        };
+        use std::os::unix::fs::FileExt;
+        // The entry goes after the data: it commits the slot (see `layout`).
+        s.idx
+            .write_all_at(&entry.encode(), geo.entry_offset(slot))
+            .map_err(|e| file::classify(&e))
+    }
+
+    /// Erases `slot`'s entry on disk, so a restart does not find the bad block again.
+    /// Best effort: an entry left behind fails the same check again.
+    pub(super) fn clear_entry(&self, slot: u64) {
+        use std::os::unix::fs::FileExt;
+        let s = &self.shared;
+        let _ = s
+            .idx
+            .write_all_at(&[0u8; ENTRY_BYTES], s.geo.entry_offset(slot));
+    }
+
+    /// Runs `work` on every item, on up to `io_threads` threads, the results in the
+    /// items' order. Each thread takes the next item not yet taken, so a slow I/O holds
+    /// up only itself and the device's queue stays full until the batch's last items (a
+    /// fixed share per thread leaves the others idle behind the slowest).
+    pub(super) fn parallel<T: Sync, R: Send>(
+        &self,
+        items: &[T],
+        work: impl Fn(&T) -> R + Sync,
+    ) -> Vec<R> {
+        let threads = self.shared.io_threads.min(items.len());
+        if threads <= 1 {
+            return items.iter().map(&work).collect();
+        }
+        let next = AtomicUsize::new(0);
+        let take = || {
+            let mut done = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else {
+                    return done;
+                };
+                done.push((i, work(item)));
+            }
+        };
+        let mut out: Vec<Option<R>> = std::iter::repeat_with(|| None).take(items.len()).collect();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads).map(|_| scope.spawn(take)).collect();
+            for h in handles {
+                let done = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                for (i, r) in done {
+                    out[i] = Some(r);
+                }
+            }
+        });
+        // Every index below the length was taken by exactly one thread.
+        out.into_iter().flatten().collect()
+    }
+}
