@@ -22,6 +22,7 @@ __all__ = [
     "__version__",
     "parse_config",
     "remote_sharing_problem",
+    "tier_block_hash",
 ]
 
 __version__: str
@@ -311,7 +312,11 @@ class TransferEngine:
 @final
 class WorkerTier:
     def __new__(
-        cls, engine: TransferEngine, config: OffloadConfig, layout: Mapping[str, Any]
+        cls,
+        engine: TransferEngine,
+        config: OffloadConfig,
+        layout: Mapping[str, Any],
+        events: bool = False,
     ) -> WorkerTier: ...
     @property
     def writes(self) -> bool: ...
@@ -319,7 +324,13 @@ class WorkerTier:
     def take_reports(self) -> list[tuple[int, int]]: ...
     def write_stored(self, hashes: bytes, cpu_blocks: bytes) -> int: ...
     def stats(self) -> list[tuple[str, int]]: ...
+    def take_disk_changes(self) -> tuple[bytes, bytes]:
+        """Blocks that came onto this rank's disk and left it since the last call:
+        ``(stored, removed)`` 16-byte hashes concatenated."""
     def shutdown(self, drain_s: float = 1.0) -> None: ...
+
+def tier_block_hash(group: int, block_hash: bytes) -> bytes:
+    """The 16-byte key the tiers below the CPU give vLLM's ``block_hash`` of ``group``."""
 
 def remote_sharing_problem(hash_algo: str, pythonhashseed_set: bool) -> str | None:
     """Why engines with this hash setup cannot share blocks (with the fix), or ``None``."""

@@ -120,7 +120,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             from kvoffload.worker import OffloadWorker
 
             self._worker = OffloadWorker(
-                config, num_gpu_blocks=num_gpu_blocks(kv_cache_config), remote_layout=layout
+                config,
+                num_gpu_blocks=num_gpu_blocks(kv_cache_config),
+                remote_layout=layout,
+                kv_events=kv_events_enabled(vllm_config),
             )
             if config.faults:
                 logger.warning("KVOffloadConnector: injecting copy faults: %s", config.faults)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final
 
 from kvoffload._native import KVOffloadError, OffloadConfig, Planner
+from kvoffload.disk_events import DiskEventLog
 from kvoffload.events import CpuEventLog
 from kvoffload.metadata import IDLE_STEP, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import KVOffloadStats
@@ -64,8 +65,23 @@ class OffloadScheduler:
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward
         # With events on: the log of CPU events, and the requests it snapshots blocks of
-        # (finished ones until the step that issues their last store).
-        self._events = CpuEventLog(block_size, events) if events is not None else None
+        # (finished ones until the step that issues their last store); with a disk tier,
+        # the disk's "STORAGE" events, from the blocks the CPU log publishes.
+        self._disk_events: DiskEventLog | None = None
+        self._events: CpuEventLog | None = None
+        if events is not None:
+            if config.disk is not None and self._remote_layout is not None:
+                self._disk_events = DiskEventLog(block_size, events, config.world_size)
+            self._events = CpuEventLog(
+                block_size,
+                events,
+                None if self._disk_events is None else self._disk_events.cpu_published,
+            )
+        # Simple's disk mode (no CPU budget): host memory only stages the disk, and its
+        # blocks leave it within a request or two. Simple announces its disk pool alone
+        # (medium "STORAGE"); CPU events for the staging blocks would have a router count
+        # them in host memory, so only the disk's events are published.
+        self._cpu_events_published = config.disk is None or bool(config.disk["cpu_in_front"])
         self._requests: dict[str, Any] = {}
         self._finished: dict[str, Any] = {}
         self._lazy = config.lazy_offload
@@ -279,8 +295,13 @@ class OffloadScheduler:
             else:
                 if fetched and self._events is not None:
                     self._events.stores_retired(self._planner.take_events(), fetched)
-        if not meta.transfer_ids:
-            return
+        if meta.transfer_ids:
+            self._apply_completions(connector_output, meta)
+        # After the completions: the CPU tier publishes a block before its disk write.
+        if meta.disk and self._disk_events is not None:
+            self._disk_events.reports(meta.disk)
+
+    def _apply_completions(self, connector_output: Any, meta: KVOffloadWorkerMetadata) -> None:
         try:
             sending, recving, load_errors, released, retired = self._planner.complete(
                 meta.transfer_ids, meta.ok
@@ -317,7 +338,13 @@ class OffloadScheduler:
     def take_events(self) -> list[Any]:
         if self._events is None:
             return []
-        return self._events.take(self._planner.take_events())
+        cpu = self._events.take(self._planner.take_events())
+        if self._disk_events is None:
+            return cpu
+        disk = self._disk_events.take()
+        if not self._cpu_events_published:
+            return disk
+        return cpu + disk if disk else cpu
 
     def _finished_first(self) -> dict[str, Any]:
         # A finished request's last blocks are issued in the step after it finished; a

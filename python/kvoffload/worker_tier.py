@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload._native import KVOffloadError, OffloadConfig, TransferEngine, WorkerTier
+from kvoffload.disk_events import DiskReport, DiskReports
 from kvoffload.metadata import KVOffloadMetadata
 from kvoffload.stats import DISK_GAUGES
 from kvoffload.vllm_adapter import logger
@@ -24,18 +25,31 @@ class LowerTiers:
         self.tier: WorkerTier | None = None
         self._fetched: list[tuple[int, int]] = []
         self._write_back: dict[int, tuple[bytes, bytes]] = {}
+        # KV events on with a disk tier: the disk's changes, for the scheduler's events.
+        self._disk: DiskReports | None = None
 
-    def start(self, engine: TransferEngine, config: OffloadConfig, layout: dict[str, Any]) -> None:
+    def start(
+        self,
+        engine: TransferEngine,
+        config: OffloadConfig,
+        layout: dict[str, Any],
+        events: bool = False,
+    ) -> None:
         """Opens the tiers over the engine's host memory. A disk tier that cannot open
         (path, lock, space) is a setup error, raised; a remote store that cannot be
-        reached is logged, and fetches planned for this rank report nothing filled."""
+        reached is logged, and fetches planned for this rank report nothing filled.
+        ``events``: vLLM publishes KV events, so the disk's changes are reported."""
+        events = events and config.disk is not None
         try:
-            self.tier = WorkerTier(engine, config, layout)
+            self.tier = WorkerTier(engine, config, layout, events)
         except KVOffloadError as e:
             if config.disk is not None:
                 logger.error("KVOffloadConnector worker: %s", e)
                 raise
             logger.error("kvoffload: remote tier unavailable on this rank: %s", e)
+            return
+        if events:
+            self._disk = DiskReports(int(layout["tp_rank"]))
 
     def submit_fetches(self, metadata: KVOffloadMetadata) -> None:
         for tid, _req_id, hashes, cpu, _first in metadata.fetches:
@@ -63,14 +77,20 @@ class LowerTiers:
     def poll(self) -> None:
         if self.tier is not None:
             self._fetched.extend(self.tier.take_reports())
+            if self._disk is not None:
+                self._disk.add(*self.tier.take_disk_changes())
 
     def take_fetched(self) -> list[tuple[int, int]]:
         fetched, self._fetched = self._fetched, []
         return fetched
 
+    def take_disk_reports(self) -> list[DiskReport]:
+        return self._disk.take() if self._disk is not None else []
+
     @property
-    def has_fetched(self) -> bool:
-        return bool(self._fetched)
+    def has_reports(self) -> bool:
+        """Whether fetches or disk changes wait for the next worker metadata."""
+        return bool(self._fetched) or bool(self._disk)
 
     def stats(self) -> tuple[list[tuple[str, int]], dict[str, int]]:
         """``(counters, gauges)`` of the tiers (the disk's residency is a gauge)."""

@@ -14,9 +14,10 @@ use std::time::Instant;
 use super::error::{DiskError, IoKind};
 use super::file::{self, AlignedBuf, DataFile, DiskFaults, FileSet};
 use super::index::{Index, Placement};
+use super::journal::{DiskChanges, Journal};
 use super::layout::{key_digest, Entry, Geometry, ENTRY_BYTES, IDX_HEADER};
 use super::stats::{DiskSnapshot, DiskStats};
-use crate::tier::value::checksum_ok;
+use crate::tier::value::{checksum_ok, stored_hash};
 use crate::tier::{LayoutFingerprint, RemoteKey, RemoteStore, TierError};
 use crate::transfer::FaultPlan;
 
@@ -45,6 +46,8 @@ pub struct DiskOptions {
     pub io_threads: usize,
     /// Faults to inject (tests).
     pub faults: FaultPlan,
+    /// Record which blocks come and go, for [`DiskStore::take_changes`] (KV events).
+    pub report_changes: bool,
 }
 
 impl DiskOptions {
@@ -64,6 +67,7 @@ impl DiskOptions {
             persist: false,
             io_threads: DEFAULT_IO_THREADS,
             faults: FaultPlan::default(),
+            report_changes: false,
         }
     }
 }
@@ -81,6 +85,8 @@ struct Shared {
     consecutive_errors: AtomicU64,
     disabled: AtomicBool,
     seq: AtomicU64,
+    /// Which blocks came and went, when asked for (`DiskOptions::report_changes`).
+    journal: Option<Mutex<Journal>>,
     /// Slot-sized aligned buffers, reused: allocating and zeroing one per I/O costs as
     /// much as a fast device's read.
     buffers: Mutex<Vec<AlignedBuf>>,
@@ -197,6 +203,9 @@ impl DiskStore {
                 consecutive_errors: AtomicU64::new(0),
                 disabled: AtomicBool::new(false),
                 seq: AtomicU64::new(seq),
+                journal: opts
+                    .report_changes
+                    .then(|| Mutex::new(Journal::new(geo.slots))),
                 buffers: Mutex::new(Vec::new()),
             }),
         })
@@ -210,6 +219,23 @@ impl DiskStore {
     /// The counters now.
     pub fn snapshot(&self) -> DiskSnapshot {
         self.shared.stats.snapshot()
+    }
+
+    /// Blocks that came onto the disk and left it since the last call (nothing unless
+    /// opened with `report_changes`).
+    pub fn take_changes(&self) -> DiskChanges {
+        self.shared
+            .journal
+            .as_ref()
+            .map(|j| j.lock().unwrap_or_else(PoisonError::into_inner).take())
+            .unwrap_or_default()
+    }
+
+    /// Records a change in the journal, if there is one.
+    fn journal(&self, record: impl FnOnce(&mut Journal)) {
+        if let Some(j) = &self.shared.journal {
+            record(&mut j.lock().unwrap_or_else(PoisonError::into_inner));
+        }
     }
 
     /// Whether reads and writes bypass the page cache.
@@ -263,6 +289,7 @@ impl DiskStore {
                 let n = s.consecutive_errors.fetch_add(1, Ordering::Relaxed) + 1;
                 if n >= DISABLE_AFTER_ERRORS && !s.disabled.swap(true, Ordering::AcqRel) {
                     DiskStats::set(&s.stats.disabled, 1);
+                    self.journal(Journal::all_removed);
                     log::error!(
                         "kvoffload disk tier: {} failed {n} I/Os in a row (last: {}); the disk \
                          tier is off until restart, requests recompute instead",
@@ -481,6 +508,10 @@ impl RemoteStore for DiskStore {
             match read {
                 Some(Ok(Some(value))) => {
                     self.outcome(Ok(()));
+                    // A block a restart recovered is reported once read (or written).
+                    if let Some(h) = stored_hash(&value) {
+                        self.journal(|j| j.stored(slot, h));
+                    }
                     DiskStats::add(&s.stats.reads, 1);
                     DiskStats::add(&s.stats.bytes_read, s.geo.slot_bytes);
                     out.push(Ok(Some(value)));
@@ -490,6 +521,7 @@ impl RemoteStore for DiskStore {
                     DiskStats::add(&s.stats.checksum_failures, 1);
                     index.drop_slot(slot, digest);
                     self.clear_entry(slot);
+                    self.journal(|j| j.removed(slot));
                     out.push(Ok(None));
                 }
                 Some(Err(kind)) => {
@@ -531,10 +563,17 @@ impl RemoteStore for DiskStore {
                     }
                     let d = key_digest(k.as_str().as_bytes());
                     match index.place(d) {
-                        Placement::Present => Ok(None),
+                        Placement::Present => {
+                            // A block a restart recovered is reported once written (or read).
+                            if let (Some(slot), Some(h)) = (index.find(d), stored_hash(v)) {
+                                self.journal(|j| j.stored(slot, h));
+                            }
+                            Ok(None)
+                        }
                         Placement::Write { slot, evicted } => {
                             if evicted {
                                 DiskStats::add(&s.stats.evictions, 1);
+                                self.journal(|j| j.removed(slot));
                             }
                             Ok(Some((slot, d)))
                         }
@@ -570,6 +609,9 @@ impl RemoteStore for DiskStore {
                 Ok(()) => {
                     DiskStats::add(&s.stats.writes, 1);
                     DiskStats::add(&s.stats.bytes_written, s.geo.slot_bytes);
+                    if let Some(h) = stored_hash(&entries[i].1) {
+                        self.journal(|j| j.stored(slot, h));
+                    }
                 }
                 Err(kind) => {
                     out[i] = Err(TierError::Store {
@@ -594,6 +636,7 @@ impl RemoteStore for DiskStore {
                 DiskStats::add(&s.stats.checksum_failures, 1);
                 index.drop_slot(slot, d);
                 self.clear_entry(slot);
+                self.journal(|j| j.removed(slot));
             }
         }
         self.update_resident(&index);
