@@ -23,8 +23,27 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from vllm_harness import (
         cpu_hit_tokens, distinct_prompts, drain, engine, generate, planner_stats,
-        reset_gpu_prefix_cache, shared_prefix_prompts, worker_connector,
+        reset_gpu_prefix_cache, scheduler_connector, shared_prefix_prompts, worker_connector,
     )
+
+    # Keeps what the connector and vLLM's GPU block pool publish (KV events on).
+    def spy_events(llm, into):
+        def spy(take, name):
+            def taken():
+                got = list(take() or ())
+                for e in got:
+                    into.append(dict(
+                        source=name, kind=type(e).__name__, medium=getattr(e, "medium", None),
+                        hashes=[str(h) for h in getattr(e, "block_hashes", ())],
+                        tokens=list(getattr(e, "token_ids", ()) or ()),
+                        group=getattr(e, "group_idx", None),
+                    ))
+                return got
+            return taken
+        conn = scheduler_connector(llm)
+        conn.take_events = spy(conn.take_events, "connector")
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+        manager.take_events = spy(manager.take_events, "gpu")
 
     prompts = shared_prefix_prompts(4, 4)
     # Enough distinct blocks to push the prompts' blocks out of a small CPU pool.
@@ -39,7 +58,17 @@ SCRIPT = textwrap.dedent(
             "kv_role": "kv_both",
             "kv_connector_extra_config": phase["extra"],
         }}
-        with engine({model!r}, cfg, **{engine_kw!r}) as llm:
+        kw = dict({engine_kw!r})
+        events = []
+        if phase.get("events"):
+            from vllm.config import KVEventsConfig
+
+            kw["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="null"
+            )
+        with engine({model!r}, cfg, **kw) as llm:
+            if phase.get("events"):
+                spy_events(llm, events)
             first = []
             if not phase.get("fresh"):
                 first = generate(llm, prompts)
@@ -54,7 +83,7 @@ SCRIPT = textwrap.dedent(
             during = sorted(os.listdir(disk_dir))
         results[phase["name"]] = dict(
             first=first, again=again, hits=hits, planner=planner, worker=worker,
-            during=during, after=sorted(os.listdir(disk_dir)),
+            during=during, after=sorted(os.listdir(disk_dir)), events=events,
         )
     print("RESULT", json.dumps(results))
     """
@@ -95,7 +124,7 @@ def _disk(disk_dir: Path, **extra: Any) -> dict[str, Any]:
 def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     disk_dir = tmp_path_factory.mktemp("disk")
     phases = [
-        {"name": "simple", "extra": _disk(disk_dir)},
+        {"name": "simple", "extra": _disk(disk_dir), "events": True},
         {"name": "cpu_only", "extra": {"cpu_bytes_to_use": SMALL_CPU}},
         {"name": "cpu_disk", "extra": _disk(disk_dir, cpu_bytes_to_use=SMALL_CPU)},
         {"name": "persist_a", "extra": _disk(disk_dir, disk_persist=True)},
@@ -132,6 +161,28 @@ def test_simples_disk_config_works_unchanged(runs: dict[str, Any]) -> None:
     assert r["worker"]["disk_buffered_io"] == 0, "ext4 takes O_DIRECT"
     assert r["during"] == ["kv.rank_0", "kv.rank_0.idx"], r["during"]
     assert r["after"] == [], r["after"]
+
+
+def test_disk_blocks_are_announced_with_medium_storage(runs: dict[str, Any]) -> None:
+    """KV events on, Simple's disk config: the blocks the disk holds are announced with
+    medium STORAGE under the hashes vLLM published for them on the GPU, with their
+    tokens; the staging memory is not announced (as Simple announces its disk pool)."""
+    events = runs["simple"]["events"]
+    # vLLM's own announcement of each block on the GPU: hash -> its tokens.
+    gpu = {
+        h: e["tokens"][i * 128 : (i + 1) * 128]
+        for e in events
+        if e["source"] == "gpu" and e["kind"] == "BlockStored"
+        for i, h in enumerate(e["hashes"])
+    }
+    mine = [e for e in events if e["source"] == "connector"]
+    stored = [e for e in mine if e["kind"] == "BlockStored"]
+    assert stored, "no disk block announced"
+    assert {e["medium"] for e in mine} == {"STORAGE"}, {e["medium"] for e in mine}
+    for e in stored:
+        (h,) = e["hashes"]
+        assert e["group"] == 0
+        assert e["tokens"] == gpu[h], "another block's tokens, or a hash vLLM never published"
 
 
 def test_a_sliding_window_model_is_served_from_disk(

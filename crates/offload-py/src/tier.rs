@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use offload_core::tier::config::DEFAULT_REMOTE_NAMESPACE;
-use offload_core::tier::disk::{DiskOptions, DiskProbe, DiskStore};
+use offload_core::tier::disk::{DiskOptions, DiskProbe, DiskStats, DiskStore};
 use offload_core::tier::value::encoded_len;
 use offload_core::tier::{
     sharing_problem, FetchRequest, KeySpace, KvLayout, RedisStore, RemoteStore, RemoteTier,
@@ -218,6 +218,9 @@ pub(crate) fn remote_sharing_problem(hash_algo: &str, pythonhashseed_set: bool) 
 #[derive(Debug)]
 pub(crate) struct PyWorkerTier {
     inner: WorkerTier,
+    disk_stats: Option<Arc<DiskStats>>,
+    /// The rank's disk store until shutdown, which must release its files and lock even
+    /// while Python still holds this object.
     disk: Option<DiskStore>,
 }
 
@@ -269,7 +272,11 @@ impl PyWorkerTier {
             })?;
             Ok((tier, disk))
         })?;
-        Ok(Self { inner, disk })
+        Ok(Self {
+            inner,
+            disk_stats: disk.as_ref().map(DiskStore::stats),
+            disk,
+        })
     }
 
     /// Whether stored blocks are written to the store.
@@ -319,7 +326,7 @@ impl PyWorkerTier {
     /// Counters since the start, by name (the disk's, `disk_*`, when there is one).
     fn stats(&self) -> Vec<(&'static str, u64)> {
         let mut out = tier_counters(&self.inner.stats());
-        if let Some(d) = &self.disk {
+        if let Some(d) = &self.disk_stats {
             out.extend(d.snapshot().named());
         }
         out
@@ -351,6 +358,7 @@ impl PyWorkerTier {
         })?;
         let inner = &mut self.inner;
         py.detach(|| inner.shutdown(drain));
+        self.disk = None;
         Ok(())
     }
 }
