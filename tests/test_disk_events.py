@@ -13,20 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from sched_harness import SchedHarness
 
 #: Four 4 KiB slots (one set) of the harness's 1 KiB blocks, with their index entries.
 FOUR_SLOTS = 4096 + 4 * (4096 + 64)
-
-
-@pytest.fixture
-def rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Worker-role connectors built in this process are tensor rank 0 (no process group)."""
-    import kvoffload.connector
-
-    monkeypatch.setattr(kvoffload.connector, "tensor_parallel_rank", lambda: 0)
 
 
 def _disk(tmp_path: Path, **extra: Any) -> dict[str, Any]:

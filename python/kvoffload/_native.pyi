@@ -135,6 +135,9 @@ class Planner:
         """``(hashes, cpu_blocks)`` of the blocks that hold a hash."""
     @property
     def has_remote(self) -> bool: ...
+    def remote_hit_tokens(self, req_id: str) -> int:
+        """Tokens of the request's hit its fetch from the tier below the CPU brought (they
+        follow the tokens that were on CPU already); 0 without one."""
     def on_alloc(
         self,
         req_id: str,

@@ -8,7 +8,7 @@ from kvoffload._native import KVOffloadError, OffloadConfig, Planner
 from kvoffload.disk_events import DiskEventLog
 from kvoffload.events import CpuEventLog
 from kvoffload.metadata import IDLE_STEP, KVOffloadMetadata, KVOffloadWorkerMetadata
-from kvoffload.stats import KVOffloadStats
+from kvoffload.stats import KVOffloadStats, disk_tier_counters
 from kvoffload.vllm_adapter import (
     GROUP_ID_BYTES,
     EventSpec,
@@ -61,6 +61,8 @@ class OffloadScheduler:
         self._config = config
         self._remote_layout = remote_layout if config.has_lower_tier else None
         self._remote_writes = self._remote_layout is not None and config.writes_lower
+        # The disk alone below the CPU: the lower tier's counters are reported as disk_*.
+        self._disk_alone = config.disk is not None and config.remote is None
         self._use_planner(self._new_planner(num_cpu_blocks))
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward
@@ -100,6 +102,8 @@ class OffloadScheduler:
         self._holder: GpuBlockHolder | None = None
         #: With events on: GPU block id -> hash of blocks offered since the last plan.
         self._offered: dict[int, bytes] = {}
+        #: With a tier below the CPU: each request's last hit offered (its tokens).
+        self._offered_hits: dict[str, int] = {}
         if not self._lazy:
             # Nothing is offered between steps: vLLM's per-step call goes to the reports.
             self.update_connector_output = self._apply_reports  # type: ignore[method-assign]
@@ -170,7 +174,17 @@ class OffloadScheduler:
             return None, False
         if not hit:
             return 0, False  # a constant: most lookups allocate nothing (see `IDLE_STEP`)
+        if self._has_remote:
+            self._offered_hits[req_id] = hit
         return hit, self._async_loads
+
+    def lower_tier_tokens(self, request: Any, accepted: int) -> int:
+        """Of the ``accepted`` tokens of ``request``'s hit, those its fetch from the tier
+        below the CPU brought: the hit's last tokens (the fetch continued the CPU hit)."""
+        req_id = request.request_id
+        offered = self._offered_hits.get(req_id, 0)
+        fetched = min(self._planner.remote_hit_tokens(req_id), offered)
+        return max(0, min(accepted, offered) - (offered - fetched))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._planner.on_alloc_blocks(
@@ -329,6 +343,8 @@ class OffloadScheduler:
     def request_finished(self, request: Any) -> bool:
         req_id = request.request_id
         self._hash_lists.pop(req_id, None)
+        if self._offered_hits:
+            self._offered_hits.pop(req_id, None)
         if self._events is not None and self._requests.pop(req_id, None) is not None:
             self._finished[req_id] = request
         return self._planner.request_finished(
@@ -377,4 +393,6 @@ class OffloadScheduler:
         if report is None:
             return None
         counters, gauges = report
+        if self._disk_alone:
+            counters = disk_tier_counters(counters)
         return KVOffloadStats.of(counters, gauges, {})

@@ -10,7 +10,7 @@ from typing import Any
 from kvoffload._native import KVOffloadError, OffloadConfig, TransferEngine, WorkerTier
 from kvoffload.disk_events import DiskReport, DiskReports
 from kvoffload.metadata import KVOffloadMetadata
-from kvoffload.stats import DISK_GAUGES
+from kvoffload.stats import DISK_GAUGES, disk_tier_counters
 from kvoffload.vllm_adapter import logger
 
 #: How long queued remote writes may take to go out at shutdown.
@@ -27,6 +27,8 @@ class LowerTiers:
         self._write_back: dict[int, tuple[bytes, bytes]] = {}
         # KV events on with a disk tier: the disk's changes, for the scheduler's events.
         self._disk: DiskReports | None = None
+        # The disk alone below the CPU: the lower tier's counters are reported as disk_*.
+        self._disk_alone = False
 
     def start(
         self,
@@ -40,6 +42,7 @@ class LowerTiers:
         reached is logged, and fetches planned for this rank report nothing filled.
         ``events``: vLLM publishes KV events, so the disk's changes are reported."""
         events = events and config.disk is not None
+        self._disk_alone = config.disk is not None and config.remote is None
         try:
             self.tier = WorkerTier(engine, config, layout, events)
         except KVOffloadError as e:
@@ -98,7 +101,10 @@ class LowerTiers:
             return [], {}
         both = self.tier.stats()
         gauges = {k: v for k, v in both if k in DISK_GAUGES}
-        return [(k, v) for k, v in both if k not in DISK_GAUGES], gauges
+        counters = {k: v for k, v in both if k not in DISK_GAUGES}
+        if self._disk_alone:
+            counters = disk_tier_counters(counters)
+        return list(counters.items()), gauges
 
     def shutdown(self) -> None:
         if self.tier is not None:
