@@ -56,7 +56,7 @@ VLLM033_SUITES=(
     tests/test_lazy_walker.py tests/test_kv_events.py tests/test_vllm_adapter.py
     tests/test_plugin.py tests/test_stats.py tests/test_idle_steps.py
     tests/test_store_after_forward.py tests/test_worker.py tests/test_kv_layouts.py
-    tests/test_sleep_mode.py tests/test_weights.py
+    tests/test_sleep_mode.py tests/test_weights.py tests/test_disk_events.py
 )
 step "pytest on vLLM 0.33.0 (.venv-vllm033): scheduler-side suites"
 set +e

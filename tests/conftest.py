@@ -37,6 +37,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker-role connectors built in this process (``sched_harness.Rank``) are tensor
+    rank 0: there is no process group to ask."""
+    import kvoffload.connector
+
+    monkeypatch.setattr(kvoffload.connector, "tensor_parallel_rank", lambda: 0)
+
+
+@pytest.fixture
 def lazy_planner() -> Planner:
     """A lazy planner with an empty CPU tier: the free-queue walk it does for
     ``FreeQueueWalker.candidates`` drops no block as already stored."""

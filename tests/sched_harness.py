@@ -342,6 +342,8 @@ class SchedHarness:
             "load_mode": load_mode,
         }
         cfg.update(extra or {})
+        # A key given as None is left out (Simple's disk mode has no CPU budget).
+        cfg = {k: v for k, v in cfg.items() if v is not None}
         self.scheduler = build_scheduler(
             model,
             self.kv_cache_config,
@@ -369,6 +371,8 @@ class SchedHarness:
         #: Transfers issued and not reported yet: tid -> ok.
         self.in_flight: dict[int, bool] = {}
         self._release: list[int] = []
+        #: Worker ranks' disk changes for the next step's report (see :meth:`report_disk`).
+        self._disk: list[tuple[int, bytes, bytes]] = []
         self._hold = False
         self._ids = itertools.count()
         self._prompts = itertools.count(1)
@@ -445,6 +449,11 @@ class SchedHarness:
             self._hold = False
         self._release.extend(tids)
 
+    def report_disk(self, reports: Sequence[tuple[int, bytes, bytes]]) -> None:
+        """Worker ranks' disk changes (``KVOffloadWorkerMetadata.disk``), reported with the
+        next step's output."""
+        self._disk.extend(reports)
+
     def step(self) -> Step:
         """One engine step: ``schedule()``, the fake forward and ``update_from_output()``."""
         from vllm.v1.outputs import KVConnectorOutput
@@ -477,10 +486,11 @@ class SchedHarness:
         else:
             report = list(self.in_flight)
         wm = None
-        if report:
+        if report or self._disk:
             wm = KVOffloadWorkerMetadata(
-                transfer_ids=report, ok=[self.in_flight.pop(t) for t in report]
+                transfer_ids=report, ok=[self.in_flight.pop(t) for t in report], disk=self._disk
             )
+            self._disk = []
         out = runner_output(self.scheduler, so, KVConnectorOutput(kv_connector_worker_meta=wm))
         eco = self.scheduler.update_from_output(so, out)
         for outs in eco.values():
@@ -619,6 +629,8 @@ class Rank:
         }
         self.connector.register_kv_caches(self.kv)
         self.done: dict[int, bool] = {}
+        #: Disk changes this rank reported (with KV events and a disk tier).
+        self.disk: list[tuple[int, bytes, bytes]] = []
 
     @property
     def worker(self) -> Any:
@@ -638,6 +650,7 @@ class Rank:
             report = self.worker.take_worker_meta()
             if report is not None:
                 self.done.update(zip(report.transfer_ids, report.ok, strict=True))
+                self.disk += report.disk
                 got += len(report.transfer_ids)
             time.sleep(0.001)
 

@@ -199,6 +199,25 @@ def test_engines_share_prefixes_through_the_cluster(
     assert other["planner"]["remote_fetches"] == 0
 
 
+def test_a_disk_in_front_of_the_cluster_falls_through_to_it_and_writes_both(
+    cluster: tuple[str, str], tiny_model: Path, written: dict[str, Any], tmp_path: Path
+) -> None:
+    """The disk tier stacked on the cluster (``kv_offload_backend: "disk"`` and
+    ``remote_url``): engine B's disk is empty, so its lookups continue to the cluster and
+    serve engine A's prefixes token-identically; the blocks it stores itself go to its
+    disk (and to the cluster: ``disk_in_front_of_a_remote_store`` in tier_disk.rs)."""
+    disk = {
+        "kv_offload_backend": "disk",
+        "disk_path": str(tmp_path / "kv"),
+        "disk_capacity_bytes": 48 * 2**20,
+    }
+    r = _read(cluster, tiny_model, [{"name": "disk", "ns": NAMESPACE, "extra": disk}])["disk"]
+    assert r["outputs"] == written["reference"]
+    assert r["planner"]["remote_hit_tokens"] > 0, r["planner"]
+    assert r["planner"]["remote_failed_fetch_blocks"] == 0, r["planner"]
+    assert r["worker"]["disk_writes"] > 0, r["worker"]
+
+
 def test_other_weights_under_the_same_name_never_share_blocks(
     cluster: tuple[str, str], tiny_model: Path, tmp_path: Path
 ) -> None:

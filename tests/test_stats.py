@@ -88,3 +88,60 @@ def test_remote_tier_counters_reach_their_prometheus_series() -> None:
     for (name, extra), value in expected.items():
         got = reg.get_sample_value(name, {**labels, **({"direction": extra[0]} if extra else {})})
         assert got == value, name
+
+
+def test_the_disk_alone_reports_the_lower_tiers_counters_as_the_disks() -> None:
+    """With the disk the only tier below the CPU, the tier path's counters (named for the
+    remote tier by the core) are reported and exported under ``disk_*`` names; the disk's
+    own file-byte counters keep theirs."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvoffload.prometheus import KVOffloadPromMetrics
+    from kvoffload.stats import disk_tier_counters
+
+    renamed = disk_tier_counters(
+        {
+            "remote_hit_tokens": 256,
+            "remote_fetched_blocks": 2,
+            "remote_bytes_read": 4096,
+            "remote_writes_failed": 5,
+            "remote_failed_fetch_blocks": 4,
+            "remote_writes_dropped": 3,
+            "disk_bytes_read": 8192,
+            "lookups": 7,
+        }
+    )
+    assert renamed == {
+        "disk_hit_tokens": 256,
+        "disk_fetched_blocks": 2,
+        "disk_payload_bytes_read": 4096,
+        "disk_writes_failed": 5,
+        "disk_failed_fetch_blocks": 4,
+        "disk_writes_dropped": 3,
+        "disk_bytes_read": 8192,
+        "lookups": 7,
+    }
+    reg = CollectorRegistry()
+    types: dict[type, Any] = {
+        cls: partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)
+    }
+    metrics = KVOffloadPromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]}
+    )
+    metrics.observe({"counters": renamed})
+    labels = {"model_name": "m", "engine": "0"}
+    expected = {
+        ("vllm:kv_offload_disk_hit_tokens_total", ()): 256,
+        ("vllm:kv_offload_disk_fetched_blocks_total", ()): 2,
+        ("vllm:kv_offload_disk_read_bytes_total", ()): 8192,
+        ("vllm:kv_offload_disk_dropped_writes_total", ()): 3,
+        ("vllm:kv_offload_disk_failed_blocks_total", ("fetch",)): 4,
+        ("vllm:kv_offload_disk_failed_blocks_total", ("write",)): 5,
+        ("vllm:kv_offload_remote_hit_tokens_total", ()): 0,
+    }
+    for (name, extra), value in expected.items():
+        got = reg.get_sample_value(name, {**labels, **({"direction": extra[0]} if extra else {})})
+        assert got == value, name

@@ -22,6 +22,7 @@ __all__ = [
     "__version__",
     "parse_config",
     "remote_sharing_problem",
+    "tier_block_hash",
 ]
 
 __version__: str
@@ -134,6 +135,9 @@ class Planner:
         """``(hashes, cpu_blocks)`` of the blocks that hold a hash."""
     @property
     def has_remote(self) -> bool: ...
+    def remote_hit_tokens(self, req_id: str) -> int:
+        """Tokens of the request's hit its fetch from the tier below the CPU brought (they
+        follow the tokens that were on CPU already); 0 without one."""
     def on_alloc(
         self,
         req_id: str,
@@ -311,7 +315,11 @@ class TransferEngine:
 @final
 class WorkerTier:
     def __new__(
-        cls, engine: TransferEngine, config: OffloadConfig, layout: Mapping[str, Any]
+        cls,
+        engine: TransferEngine,
+        config: OffloadConfig,
+        layout: Mapping[str, Any],
+        events: bool = False,
     ) -> WorkerTier: ...
     @property
     def writes(self) -> bool: ...
@@ -319,7 +327,13 @@ class WorkerTier:
     def take_reports(self) -> list[tuple[int, int]]: ...
     def write_stored(self, hashes: bytes, cpu_blocks: bytes) -> int: ...
     def stats(self) -> list[tuple[str, int]]: ...
+    def take_disk_changes(self) -> tuple[bytes, bytes]:
+        """Blocks that came onto this rank's disk and left it since the last call:
+        ``(stored, removed)`` 16-byte hashes concatenated."""
     def shutdown(self, drain_s: float = 1.0) -> None: ...
+
+def tier_block_hash(group: int, block_hash: bytes) -> bytes:
+    """The 16-byte key the tiers below the CPU give vLLM's ``block_hash`` of ``group``."""
 
 def remote_sharing_problem(hash_algo: str, pythonhashseed_set: bool) -> str | None:
     """Why engines with this hash setup cannot share blocks (with the fix), or ``None``."""

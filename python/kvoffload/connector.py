@@ -75,6 +75,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._routed: list[str] = []
         #: Every KV-cache group's index: what a load fills (asked for every async load).
         self._group_ids: tuple[int, ...] = (0,)
+        #: A CPU tier in front of the disk alone: each hit is split into host and disk.
+        self._split_hit_sources = False
         try:
             config, warnings = parse_config(extra_config(vllm_config), world_size(vllm_config))
         except ConfigError as e:
@@ -120,7 +122,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             from kvoffload.worker import OffloadWorker
 
             self._worker = OffloadWorker(
-                config, num_gpu_blocks=num_gpu_blocks(kv_cache_config), remote_layout=layout
+                config,
+                num_gpu_blocks=num_gpu_blocks(kv_cache_config),
+                remote_layout=layout,
+                kv_events=kv_events_enabled(vllm_config),
             )
             if config.faults:
                 logger.warning("KVOffloadConnector: injecting copy faults: %s", config.faults)
@@ -204,9 +209,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         given (Simple's disk mode): ``disk_buffer_slots`` blocks, or what one request's hit
         needs at once if more (a disk hit goes through CPU blocks before it loads)."""
         # Host memory only staging the disk (Simple's disk mode): every hit was read from
-        # disk. With a CPU tier in front, most hits are host hits and stay counted so.
+        # disk. With a CPU tier in front, a hit's blocks still on CPU are host hits and
+        # those its fetch read from disk are disk hits; with Redis behind the disk too, a
+        # fetched block may come from either, so it is not split.
         if DISK_HIT_SOURCE is not None and not config.disk["cpu_in_front"]:
             self._cache_hit_source = DISK_HIT_SOURCE
+        self._split_hit_sources = (
+            DISK_HIT_SOURCE is not None and config.disk["cpu_in_front"] and config.remote is None
+        )
         blocks = -(
             -int(vllm_config.model_config.max_model_len) // block_size(kv_cache_config, vllm_config)
         )
@@ -299,6 +309,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        # vLLM asks after `update_state_after_alloc`, for requests with a hit.
+        sched = self._scheduler
+        if not self._split_hit_sources or sched is None or not num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        disk = sched.lower_tier_tokens(request, num_external_tokens)
+        split = ((HOST_HIT_SOURCE, num_external_tokens - disk), (DISK_HIT_SOURCE, disk))
+        return {source: n for source, n in split if n}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is not None:

@@ -14,6 +14,7 @@ failed) and one hash per block on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvoffload.vllm_adapter import (
@@ -40,8 +41,15 @@ def planner_key(block_hash: bytes) -> bytes:
 class CpuEventLog:
     """Snapshots stored blocks at issue time and turns the planner's events into vLLM's."""
 
-    def __init__(self, block_size: int, specs: list[EventSpec]) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        specs: list[EventSpec],
+        on_published: Callable[[int, bytes, BlockMeta], None] | None = None,
+    ) -> None:
         self._block_size = block_size
+        #: Told of every block published on CPU, with its snapshot (the disk tier's events).
+        self._on_published = on_published
         self._specs = specs
         # Keyed by (KV-cache group, planner key): groups store the same hash separately.
         self._in_flight: dict[tuple[int, bytes], BlockMeta] = {}
@@ -139,6 +147,8 @@ class CpuEventLog:
                         continue
                     self._resident[(group, key)] = meta.block_hash
                     out.append(block_stored(meta, ev[4], spec, group))
+                    if self._on_published is not None:
+                        self._on_published(group, key, meta)
             elif kind == "removed":
                 group = ev[1]
                 gone = []

@@ -59,6 +59,9 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     ok: list[bool] = field(default_factory=list)
     #: Remote fetches finished: ``(transfer_id, leading blocks filled)``.
     fetched: list[tuple[int, int]] = field(default_factory=list)
+    #: KV events on: each rank's disk changes, ``(rank, stored keys, removed keys)``
+    #: (see ``kvoffload.disk_events``).
+    disk: list[tuple[int, bytes, bytes]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
         if not isinstance(other, KVOffloadWorkerMetadata):
@@ -67,6 +70,7 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             transfer_ids=self.transfer_ids + other.transfer_ids,
             ok=self.ok + other.ok,
             fetched=self.fetched + other.fetched,
+            disk=self.disk + other.disk,
         )
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final
 
 from kvoffload._native import KVOffloadError, OffloadConfig, Planner
+from kvoffload.disk_events import DiskEventLog
 from kvoffload.events import CpuEventLog
 from kvoffload.metadata import IDLE_STEP, KVOffloadMetadata, KVOffloadWorkerMetadata
-from kvoffload.stats import KVOffloadStats
+from kvoffload.stats import KVOffloadStats, disk_tier_counters
 from kvoffload.vllm_adapter import (
     GROUP_ID_BYTES,
     EventSpec,
@@ -60,12 +61,29 @@ class OffloadScheduler:
         self._config = config
         self._remote_layout = remote_layout if config.has_lower_tier else None
         self._remote_writes = self._remote_layout is not None and config.writes_lower
+        # The disk alone below the CPU: the lower tier's counters are reported as disk_*.
+        self._disk_alone = config.disk is not None and config.remote is None
         self._use_planner(self._new_planner(num_cpu_blocks))
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward
         # With events on: the log of CPU events, and the requests it snapshots blocks of
-        # (finished ones until the step that issues their last store).
-        self._events = CpuEventLog(block_size, events) if events is not None else None
+        # (finished ones until the step that issues their last store); with a disk tier,
+        # the disk's "STORAGE" events, from the blocks the CPU log publishes.
+        self._disk_events: DiskEventLog | None = None
+        self._events: CpuEventLog | None = None
+        if events is not None:
+            if config.disk is not None and self._remote_layout is not None:
+                self._disk_events = DiskEventLog(block_size, events, config.world_size)
+            self._events = CpuEventLog(
+                block_size,
+                events,
+                None if self._disk_events is None else self._disk_events.cpu_published,
+            )
+        # Simple's disk mode (no CPU budget): host memory only stages the disk, and its
+        # blocks leave it within a request or two. Simple announces its disk pool alone
+        # (medium "STORAGE"); CPU events for the staging blocks would have a router count
+        # them in host memory, so only the disk's events are published.
+        self._cpu_events_published = config.disk is None or bool(config.disk["cpu_in_front"])
         self._requests: dict[str, Any] = {}
         self._finished: dict[str, Any] = {}
         self._lazy = config.lazy_offload
@@ -84,6 +102,8 @@ class OffloadScheduler:
         self._holder: GpuBlockHolder | None = None
         #: With events on: GPU block id -> hash of blocks offered since the last plan.
         self._offered: dict[int, bytes] = {}
+        #: With a tier below the CPU: each request's last hit offered (its tokens).
+        self._offered_hits: dict[str, int] = {}
         if not self._lazy:
             # Nothing is offered between steps: vLLM's per-step call goes to the reports.
             self.update_connector_output = self._apply_reports  # type: ignore[method-assign]
@@ -154,7 +174,17 @@ class OffloadScheduler:
             return None, False
         if not hit:
             return 0, False  # a constant: most lookups allocate nothing (see `IDLE_STEP`)
+        if self._has_remote:
+            self._offered_hits[req_id] = hit
         return hit, self._async_loads
+
+    def lower_tier_tokens(self, request: Any, accepted: int) -> int:
+        """Of the ``accepted`` tokens of ``request``'s hit, those its fetch from the tier
+        below the CPU brought: the hit's last tokens (the fetch continued the CPU hit)."""
+        req_id = request.request_id
+        offered = self._offered_hits.get(req_id, 0)
+        fetched = min(self._planner.remote_hit_tokens(req_id), offered)
+        return max(0, min(accepted, offered) - (offered - fetched))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._planner.on_alloc_blocks(
@@ -279,8 +309,13 @@ class OffloadScheduler:
             else:
                 if fetched and self._events is not None:
                     self._events.stores_retired(self._planner.take_events(), fetched)
-        if not meta.transfer_ids:
-            return
+        if meta.transfer_ids:
+            self._apply_completions(connector_output, meta)
+        # After the completions: the CPU tier publishes a block before its disk write.
+        if meta.disk and self._disk_events is not None:
+            self._disk_events.reports(meta.disk)
+
+    def _apply_completions(self, connector_output: Any, meta: KVOffloadWorkerMetadata) -> None:
         try:
             sending, recving, load_errors, released, retired = self._planner.complete(
                 meta.transfer_ids, meta.ok
@@ -308,6 +343,8 @@ class OffloadScheduler:
     def request_finished(self, request: Any) -> bool:
         req_id = request.request_id
         self._hash_lists.pop(req_id, None)
+        if self._offered_hits:
+            self._offered_hits.pop(req_id, None)
         if self._events is not None and self._requests.pop(req_id, None) is not None:
             self._finished[req_id] = request
         return self._planner.request_finished(
@@ -317,7 +354,13 @@ class OffloadScheduler:
     def take_events(self) -> list[Any]:
         if self._events is None:
             return []
-        return self._events.take(self._planner.take_events())
+        cpu = self._events.take(self._planner.take_events())
+        if self._disk_events is None:
+            return cpu
+        disk = self._disk_events.take()
+        if not self._cpu_events_published:
+            return disk
+        return cpu + disk if disk else cpu
 
     def _finished_first(self) -> dict[str, Any]:
         # A finished request's last blocks are issued in the step after it finished; a
@@ -350,4 +393,6 @@ class OffloadScheduler:
         if report is None:
             return None
         counters, gauges = report
+        if self._disk_alone:
+            counters = disk_tier_counters(counters)
         return KVOffloadStats.of(counters, gauges, {})

@@ -174,7 +174,53 @@ COUNTER_SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("other",),
         "Disk-tier I/Os that failed, by kind: a write is skipped, a read recomputed.",
     ),
+    # The tier-level counters of a disk alone below the CPU (see `disk_tier_counters`).
+    "disk_hit_tokens": (
+        "vllm:kv_offload_disk_hit_tokens",
+        (),
+        "Prompt tokens offered from blocks read from the disk tier for the request.",
+    ),
+    "disk_fetched_blocks": (
+        "vllm:kv_offload_disk_fetched_blocks",
+        (),
+        "Blocks read from the disk tier by every rank and published to the CPU tier.",
+    ),
+    "disk_failed_fetch_blocks": (
+        "vllm:kv_offload_disk_failed_blocks",
+        ("fetch",),
+        "Disk-tier blocks that failed (missing, corrupt, I/O error): reads recomputed, "
+        "writes lost.",
+    ),
+    "disk_writes_failed": (
+        "vllm:kv_offload_disk_failed_blocks",
+        ("write",),
+        "Disk-tier blocks that failed (missing, corrupt, I/O error): reads recomputed, "
+        "writes lost.",
+    ),
+    "disk_writes_dropped": (
+        "vllm:kv_offload_disk_dropped_writes",
+        (),
+        "Blocks not written to the disk tier because the write-behind queue was full.",
+    ),
 }
+
+#: The core names the counters of the tier path below the CPU for the remote tier; when
+#: that tier is the disk alone they are reported as ``disk_*``. The disk's own counters
+#: already name its file bytes ``disk_bytes_read``/``_written``: the verified block bytes
+#: of the tier path are ``disk_payload_bytes_*``.
+_DISK_PAYLOAD = {
+    "remote_bytes_read": "disk_payload_bytes_read",
+    "remote_bytes_written": "disk_payload_bytes_written",
+}
+
+
+def disk_tier_counters(counters: dict[str, int]) -> dict[str, int]:
+    """``counters`` with the lower tier's ``remote_*`` keys named for the disk tier."""
+    return {
+        _DISK_PAYLOAD.get(k) or ("disk_" + k[7:] if k.startswith("remote_") else k): v
+        for k, v in counters.items()
+    }
+
 
 #: Series whose single extra label is named here.
 LABEL_OF = {
@@ -182,6 +228,7 @@ LABEL_OF = {
     "vllm:kv_offload_skipped_store_blocks": "reason",
     "vllm:kv_offload_remote_failed_blocks": "direction",
     "vllm:kv_offload_disk_io_errors": "kind",
+    "vllm:kv_offload_disk_failed_blocks": "direction",
 }
 
 GAUGE_SERIES = {

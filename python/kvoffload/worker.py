@@ -81,8 +81,11 @@ class OffloadWorker:
         *,
         num_gpu_blocks: int,
         remote_layout: dict[str, Any] | None = None,
+        kv_events: bool = False,
     ) -> None:
         self._config = config
+        # vLLM publishes KV events: the disk tier reports its changes for them.
+        self._kv_events = kv_events
         # Tiers below the CPU: started over the engine's host memory once it exists.
         self._remote_layout = remote_layout if config.has_lower_tier else None
         self._lower = LowerTiers()
@@ -192,7 +195,7 @@ class OffloadWorker:
             self._engine.backend_detail,
         )
         if self._remote_layout is not None:
-            self._lower.start(self._engine, self._config, self._remote_layout)
+            self._lower.start(self._engine, self._config, self._remote_layout, self._kv_events)
 
     def handle_preemptions(self, metadata: KVOffloadMetadata) -> None:
         """Waits for in-flight stores reading preempted requests' blocks, which this step's
@@ -326,10 +329,13 @@ class OffloadWorker:
         return errors
 
     def take_worker_meta(self) -> KVOffloadWorkerMetadata | None:
-        if not self._done_ids and not self._lower.has_fetched:
+        if not self._done_ids and not self._lower.has_reports:
             return None
         meta = KVOffloadWorkerMetadata(
-            transfer_ids=self._done_ids, ok=self._done_ok, fetched=self._lower.take_fetched()
+            transfer_ids=self._done_ids,
+            ok=self._done_ok,
+            fetched=self._lower.take_fetched(),
+            disk=self._lower.take_disk_reports(),
         )
         self._done_ids, self._done_ok = [], []
         return meta

@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload._native import KVOffloadError, OffloadConfig, TransferEngine, WorkerTier
+from kvoffload.disk_events import DiskReport, DiskReports
 from kvoffload.metadata import KVOffloadMetadata
-from kvoffload.stats import DISK_GAUGES
+from kvoffload.stats import DISK_GAUGES, disk_tier_counters
 from kvoffload.vllm_adapter import logger
 
 #: How long queued remote writes may take to go out at shutdown.
@@ -24,18 +25,34 @@ class LowerTiers:
         self.tier: WorkerTier | None = None
         self._fetched: list[tuple[int, int]] = []
         self._write_back: dict[int, tuple[bytes, bytes]] = {}
+        # KV events on with a disk tier: the disk's changes, for the scheduler's events.
+        self._disk: DiskReports | None = None
+        # The disk alone below the CPU: the lower tier's counters are reported as disk_*.
+        self._disk_alone = False
 
-    def start(self, engine: TransferEngine, config: OffloadConfig, layout: dict[str, Any]) -> None:
+    def start(
+        self,
+        engine: TransferEngine,
+        config: OffloadConfig,
+        layout: dict[str, Any],
+        events: bool = False,
+    ) -> None:
         """Opens the tiers over the engine's host memory. A disk tier that cannot open
         (path, lock, space) is a setup error, raised; a remote store that cannot be
-        reached is logged, and fetches planned for this rank report nothing filled."""
+        reached is logged, and fetches planned for this rank report nothing filled.
+        ``events``: vLLM publishes KV events, so the disk's changes are reported."""
+        events = events and config.disk is not None
+        self._disk_alone = config.disk is not None and config.remote is None
         try:
-            self.tier = WorkerTier(engine, config, layout)
+            self.tier = WorkerTier(engine, config, layout, events)
         except KVOffloadError as e:
             if config.disk is not None:
                 logger.error("KVOffloadConnector worker: %s", e)
                 raise
             logger.error("kvoffload: remote tier unavailable on this rank: %s", e)
+            return
+        if events:
+            self._disk = DiskReports(int(layout["tp_rank"]))
 
     def submit_fetches(self, metadata: KVOffloadMetadata) -> None:
         for tid, _req_id, hashes, cpu, _first in metadata.fetches:
@@ -63,14 +80,20 @@ class LowerTiers:
     def poll(self) -> None:
         if self.tier is not None:
             self._fetched.extend(self.tier.take_reports())
+            if self._disk is not None:
+                self._disk.add(*self.tier.take_disk_changes())
 
     def take_fetched(self) -> list[tuple[int, int]]:
         fetched, self._fetched = self._fetched, []
         return fetched
 
+    def take_disk_reports(self) -> list[DiskReport]:
+        return self._disk.take() if self._disk is not None else []
+
     @property
-    def has_fetched(self) -> bool:
-        return bool(self._fetched)
+    def has_reports(self) -> bool:
+        """Whether fetches or disk changes wait for the next worker metadata."""
+        return bool(self._fetched) or bool(self._disk)
 
     def stats(self) -> tuple[list[tuple[str, int]], dict[str, int]]:
         """``(counters, gauges)`` of the tiers (the disk's residency is a gauge)."""
@@ -78,7 +101,10 @@ class LowerTiers:
             return [], {}
         both = self.tier.stats()
         gauges = {k: v for k, v in both if k in DISK_GAUGES}
-        return [(k, v) for k, v in both if k not in DISK_GAUGES], gauges
+        counters = {k: v for k, v in both if k not in DISK_GAUGES}
+        if self._disk_alone:
+            counters = disk_tier_counters(counters)
+        return list(counters.items()), gauges
 
     def shutdown(self) -> None:
         if self.tier is not None:

@@ -7,7 +7,9 @@ mod common;
 use std::os::unix::fs::FileExt;
 
 use common::disk::{fetch_blocks, hash, options, store_blocks, tier, Scratch, FP};
-use offload_core::tier::disk::{DiskError, DiskProbe, DiskStore, DISABLE_AFTER_ERRORS};
+use offload_core::tier::disk::{
+    DiskChanges, DiskError, DiskProbe, DiskStore, DISABLE_AFTER_ERRORS,
+};
 use offload_core::tier::{KeySpace, LayoutFingerprint, MemoryStore, RemoteStore, StackedStore};
 use offload_core::transfer::FaultPlan;
 
@@ -323,4 +325,73 @@ fn disk_in_front_of_a_remote_store() {
     assert_eq!(fetch_blocks(&mut t, &[0, 9], ODD), [Some(true), Some(true)]);
     assert_eq!(fetch_blocks(&mut only_remote, &[9], ODD), [None]);
     assert_eq!(store.snapshot().reads, 1);
+}
+
+#[test]
+fn changes_name_every_block_that_came_onto_the_disk_and_left_it() {
+    let s = Scratch::new("changes");
+    let mut o = options(&s.rank_path(), ODD, 4);
+    o.persist = true;
+    o.report_changes = true;
+    {
+        let store = DiskStore::open(&o).unwrap();
+        let mut t = tier(&store);
+        assert_eq!(store_blocks(&mut t, 0..4, ODD), 4);
+        let c = store.take_changes();
+        assert_eq!(c.stored, (0..4).map(hash).collect::<Vec<_>>());
+        assert!(c.removed.is_empty());
+        // Written again: already there, nothing to say.
+        assert_eq!(store_blocks(&mut t, [2], ODD), 1);
+        assert_eq!(store.take_changes(), DiskChanges::default());
+        // Block 0 is the least recently used: a fifth block evicts it.
+        assert_eq!(fetch_blocks(&mut t, &[1, 2, 3], ODD), [Some(true); 3]);
+        assert_eq!(store_blocks(&mut t, [4], ODD), 1);
+        let c = store.take_changes();
+        assert_eq!((c.stored, c.removed), (vec![hash(4)], vec![hash(0)]));
+        // A block that fails its check leaves the disk.
+        let data = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.data_path())
+            .unwrap();
+        data.write_all_at(&[0xff; 3], store.offset_of(&key(1)).unwrap() + 2000)
+            .unwrap();
+        assert_eq!(fetch_blocks(&mut t, &[1], ODD), [None]);
+        assert_eq!(store.take_changes().removed, vec![hash(1)]);
+    }
+    // After a restart the recovered blocks are named once a read or a write finds them.
+    let store = DiskStore::open(&o).unwrap();
+    assert_eq!(store.snapshot().recovered_blocks, 3);
+    assert_eq!(store.take_changes(), DiskChanges::default());
+    assert_eq!(store_blocks(&mut tier(&store), [3], ODD), 1);
+    assert_eq!(
+        fetch_blocks(&mut tier(&store), &[2, 3], ODD),
+        [Some(true); 2]
+    );
+    assert_eq!(store.take_changes().stored, vec![hash(3), hash(2)]);
+    // Without `report_changes` nothing is recorded.
+    drop(store);
+    o.report_changes = false;
+    let store = DiskStore::open(&o).unwrap();
+    assert_eq!(store_blocks(&mut tier(&store), [7], ODD), 1);
+    assert_eq!(store.take_changes(), DiskChanges::default());
+}
+
+#[test]
+fn a_tier_that_turns_itself_off_removes_every_block_it_named() {
+    let s = Scratch::new("changes-off");
+    let mut o = options(&s.rank_path(), ODD, 64);
+    o.report_changes = true;
+    // Writes go through; every read fails.
+    o.faults = FaultPlan::parse("disk_read_eio_every=1").unwrap();
+    let store = DiskStore::open(&o).unwrap();
+    let mut t = tier(&store);
+    assert_eq!(store_blocks(&mut t, 0..4, ODD), 4);
+    assert_eq!(store.take_changes().stored.len(), 4);
+    for _ in 0..DISABLE_AFTER_ERRORS {
+        let _ = t.fetch(&[hash(0)], ODD);
+    }
+    assert_eq!(store.snapshot().disabled, 1);
+    let mut removed = store.take_changes().removed;
+    removed.sort_unstable();
+    assert_eq!(removed, (0..4).map(hash).collect::<Vec<_>>());
 }

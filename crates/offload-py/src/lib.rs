@@ -22,6 +22,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyTransferEngine>()?;
     m.add_class::<tier::PyWorkerTier>()?;
     m.add_function(wrap_pyfunction!(tier::remote_sharing_problem, m)?)?;
+    m.add_function(wrap_pyfunction!(tier::tier_block_hash, m)?)?;
     m.add_function(wrap_pyfunction!(config::parse_config, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -198,6 +198,12 @@ impl PyPlanner {
         self.inner.has_remote()
     }
 
+    /// Tokens of the request's hit its fetch from the tier below the CPU brought (they
+    /// follow the tokens that were on CPU already); 0 without one.
+    fn remote_hit_tokens(&self, req_id: &str) -> usize {
+        self.inner.remote_hit_tokens(req_id)
+    }
+
     /// The scheduler allocated `gpu_block_ids` (a tuple of one list per KV-cache group,
     /// or the list of a model with one group) and accepted `num_external_tokens`.
     fn on_alloc(

@@ -75,6 +75,8 @@ pub(crate) enum Side<'a> {
         block_bytes: usize,
         /// The rank's disk store, opened once and shared by its fetch and write tiers.
         disk: &'a mut Option<DiskStore>,
+        /// Whether the disk records which blocks come and go (KV events).
+        report_changes: bool,
     },
 }
 
@@ -113,7 +115,14 @@ pub(crate) fn connect(
             let probe = DiskProbe::new(d.rank_path(layout.tp_rank), keys.fingerprint());
             Some(Box::new(probe))
         }
-        (Some(d), Side::Worker { block_bytes, disk }) => {
+        (
+            Some(d),
+            Side::Worker {
+                block_bytes,
+                disk,
+                report_changes,
+            },
+        ) => {
             if disk.is_none() {
                 let mut opts = DiskOptions::new(
                     d.rank_path(layout.tp_rank),
@@ -123,6 +132,7 @@ pub(crate) fn connect(
                 );
                 opts.use_page_cache = d.use_page_cache;
                 opts.persist = d.persist;
+                opts.report_changes = report_changes;
                 if let Some(spec) = &c.faults {
                     opts.faults = FaultPlan::from_config_value(spec)
                         .map_err(|e| INVALID_INPUT_ERROR.err(e.to_string()))?;
@@ -183,6 +193,20 @@ pub(crate) fn tier_counters(s: &TierSnapshot) -> Vec<(&'static str, u64)> {
     ]
 }
 
+/// The key the tiers below the CPU give block `block_hash` (vLLM's bytes) of KV-cache
+/// group `group`: the hashes `WorkerTier.take_disk_changes` names.
+#[pyfunction]
+pub(crate) fn tier_block_hash<'py>(
+    py: Python<'py>,
+    group: u32,
+    block_hash: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    let hash = offload_core::BlockHash::from_bytes(block_hash)
+        .ok_or_else(|| INVALID_INPUT_ERROR.err("block_hash must not be empty"))?;
+    let key = offload_core::BlockKey::new(group, hash).remote_hash();
+    Ok(PyBytes::new(py, &key.0.to_le_bytes()))
+}
+
 /// Why engines cannot share blocks with this hash setup (with the fix), or `None`.
 #[pyfunction]
 pub(crate) fn remote_sharing_problem(hash_algo: &str, pythonhashseed_set: bool) -> Option<String> {
@@ -194,19 +218,25 @@ pub(crate) fn remote_sharing_problem(hash_algo: &str, pythonhashseed_set: bool) 
 #[derive(Debug)]
 pub(crate) struct PyWorkerTier {
     inner: WorkerTier,
-    disk: Option<Arc<DiskStats>>,
+    disk_stats: Option<Arc<DiskStats>>,
+    /// The rank's disk store until shutdown, which must release its files and lock even
+    /// while Python still holds this object.
+    disk: Option<DiskStore>,
 }
 
 #[pymethods]
 impl PyWorkerTier {
     /// Connects (twice: fetches and writes run on threads of their own) and starts the
-    /// tier over `engine`'s host memory, with the keys of `layout`.
+    /// tier over `engine`'s host memory, with the keys of `layout`. With `events`, the
+    /// disk records which blocks come and go (`take_disk_changes`).
     #[new]
+    #[pyo3(signature = (engine, config, layout, events = false))]
     fn new(
         py: Python<'_>,
         engine: &PyTransferEngine,
         config: &PyOffloadConfig,
         layout: &Bound<'_, PyAny>,
+        events: bool,
     ) -> PyResult<Self> {
         check_lower(config)?;
         let layout = kv_layout(layout)?;
@@ -224,12 +254,14 @@ impl PyWorkerTier {
             let side = Side::Worker {
                 block_bytes,
                 disk: &mut disk,
+                report_changes: events,
             };
             let fetch = connect(config, &layout, &stats, side)?;
             let write = if writes {
                 let side = Side::Worker {
                     block_bytes,
                     disk: &mut disk,
+                    report_changes: events,
                 };
                 Some(connect(config, &layout, &stats, side)?)
             } else {
@@ -242,7 +274,8 @@ impl PyWorkerTier {
         })?;
         Ok(Self {
             inner,
-            disk: disk.map(|d| d.stats()),
+            disk_stats: disk.as_ref().map(DiskStore::stats),
+            disk,
         })
     }
 
@@ -293,10 +326,28 @@ impl PyWorkerTier {
     /// Counters since the start, by name (the disk's, `disk_*`, when there is one).
     fn stats(&self) -> Vec<(&'static str, u64)> {
         let mut out = tier_counters(&self.inner.stats());
-        if let Some(d) = &self.disk {
+        if let Some(d) = &self.disk_stats {
             out.extend(d.snapshot().named());
         }
         out
+    }
+
+    /// Blocks that came onto this rank's disk and left it since the last call, as
+    /// `(stored, removed)` 16-byte hashes concatenated (empty without a disk, or when not
+    /// started with `events`).
+    fn take_disk_changes<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+        let c = self
+            .disk
+            .as_ref()
+            .map(DiskStore::take_changes)
+            .unwrap_or_default();
+        (
+            PyBytes::new(py, c.stored.as_flattened()),
+            PyBytes::new(py, c.removed.as_flattened()),
+        )
     }
 
     /// Stops the threads; queued writes get `drain_s` seconds to go out.
@@ -307,6 +358,7 @@ impl PyWorkerTier {
         })?;
         let inner = &mut self.inner;
         py.detach(|| inner.shutdown(drain));
+        self.disk = None;
         Ok(())
     }
 }

@@ -87,9 +87,12 @@ def gpu_block_meta(hash_with_group_id: bytes) -> BlockMeta:
     )
 
 
-def block_stored(meta: BlockMeta, block_size: int, spec: EventSpec, group_idx: int) -> Any:
-    """A CPU ``BlockStored`` for one block, field for field as vLLM's Simple connector."""
-    from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+def block_stored(
+    meta: BlockMeta, block_size: int, spec: EventSpec, group_idx: int, *, storage: bool = False
+) -> Any:
+    """A CPU ``BlockStored`` for one block, field for field as vLLM's Simple connector
+    (medium ``"STORAGE"`` with ``storage``: the disk tier, as Simple's disk mode)."""
+    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockStored
     from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 
     keys = meta.extra_keys
@@ -99,7 +102,7 @@ def block_stored(meta: BlockMeta, block_size: int, spec: EventSpec, group_idx: i
         token_ids=meta.token_ids,
         block_size=block_size,
         lora_id=meta.lora_id,
-        medium=MEDIUM_CPU,
+        medium=MEDIUM_STORAGE if storage else MEDIUM_CPU,
         lora_name=meta.lora_name,
         extra_keys=to_event_extra_keys(keys and [keys]),
         group_idx=group_idx,
@@ -109,11 +112,14 @@ def block_stored(meta: BlockMeta, block_size: int, spec: EventSpec, group_idx: i
     )
 
 
-def block_removed(block_hashes: list[Any], group_idx: int) -> Any:
-    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
+def block_removed(block_hashes: list[Any], group_idx: int, *, storage: bool = False) -> Any:
+    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved
 
     return BlockRemoved(
-        block_hashes=block_hashes, medium=MEDIUM_CPU, group_idx=group_idx, locality="LOCAL"
+        block_hashes=block_hashes,
+        medium=MEDIUM_STORAGE if storage else MEDIUM_CPU,
+        group_idx=group_idx,
+        locality="LOCAL",
     )
 
 

@@ -171,6 +171,19 @@ impl Planner {
         self.remote.is_some()
     }
 
+    /// Tokens of `req`'s hit that the tier below the CPU brought for it: the blocks its
+    /// fetch filled, which follow the blocks that were on CPU already (the hit's
+    /// `LookupOutcome::Hit::remote_tokens` before it is capped to the hit). 0 without a
+    /// fetch for the request's current prompt.
+    pub fn remote_hit_tokens(&self, req: &str) -> usize {
+        match self.remote.as_deref().and_then(|r| r.reqs.get(req)) {
+            Some(Phase::Tried { remote_blocks, .. }) => {
+                remote_blocks * self.cfg.block_size as usize
+            }
+            _ => 0,
+        }
+    }
+
     /// [`Self::lookup`], continued into the remote tier when one is attached and the local
     /// hit ends before the prompt's last full block (the last token is always computed).
     ///

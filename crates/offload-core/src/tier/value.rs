@@ -163,6 +163,13 @@ pub fn decode_verified<'a>(
     decode_checked(value, fingerprint, hash, block_bytes, false)
 }
 
+/// The block hash a value's header names (unchecked: for the disk tier's journal, which
+/// records what a write was asked to store).
+pub(crate) fn stored_hash(value: &[u8]) -> Option<&[u8]> {
+    let hash_len = usize::from(u16::from_le_bytes([*value.get(6)?, *value.get(7)?]));
+    value.get(FIXED_HEADER..FIXED_HEADER + hash_len)
+}
+
 fn decode_checked<'a>(
     value: &'a [u8],
     fingerprint: LayoutFingerprint,

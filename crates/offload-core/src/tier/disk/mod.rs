@@ -27,11 +27,17 @@
 //! in `value::decode_verified`; a bad block is a miss, counted, its slot freed. A failed write is a counted skip, a
 //! failed read a miss. [`DISABLE_AFTER_ERRORS`] failed I/Os in a row turn the tier off
 //! (one log line, the `disk_disabled` gauge); nothing waits on a failing disk.
+//!
+//! # Events
+//! With [`DiskOptions::report_changes`], the store records which blocks each write put on
+//! disk and which left it ([`DiskStore::take_changes`]), so the connector can publish
+//! them as KV events of medium `"STORAGE"` (`journal.rs`).
 
 pub mod config;
 mod error;
 mod file;
 mod index;
+mod journal;
 mod layout;
 mod options;
 mod reader;
@@ -43,6 +49,7 @@ mod store;
 pub use config::DiskConfig;
 pub use error::{DiskError, IoKind};
 pub use index::{Placement, SlotIndex};
+pub use journal::{DiskChanges, JOURNAL_HASH_BYTES};
 pub use options::{DiskOptions, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
 pub use reader::DiskProbe;
 pub use stats::{DiskSnapshot, DiskStats};

@@ -30,6 +30,8 @@ pub struct DiskOptions {
     pub io_threads: usize,
     /// Faults to inject (tests).
     pub faults: FaultPlan,
+    /// Record which blocks come and go, for [`DiskStore::take_changes`](super::DiskStore::take_changes) (KV events).
+    pub report_changes: bool,
 }
 
 impl DiskOptions {
@@ -49,6 +51,7 @@ impl DiskOptions {
             persist: false,
             io_threads: DEFAULT_IO_THREADS,
             faults: FaultPlan::default(),
+            report_changes: false,
         }
     }
 }

@@ -14,10 +14,12 @@ use std::time::Instant;
 use super::error::{DiskError, IoKind};
 use super::file::{self, AlignedBuf, DataFile, DiskFaults, FileSet};
 use super::index::{Placement, SlotIndex};
+use super::journal::{DiskChanges, Journal};
 use super::layout::{key_digest, Geometry};
 use super::options::{DiskOptions, DISABLE_AFTER_ERRORS};
 use super::recovery::{matches_header, rebuild};
 use super::stats::{DiskSnapshot, DiskStats};
+use crate::tier::value::stored_hash;
 use crate::tier::{RemoteKey, RemoteStore, TierError};
 
 pub(super) struct Shared {
@@ -33,6 +35,8 @@ pub(super) struct Shared {
     pub(super) consecutive_errors: AtomicU64,
     pub(super) disabled: AtomicBool,
     pub(super) seq: AtomicU64,
+    /// Which blocks came and went, when asked for (`DiskOptions::report_changes`).
+    pub(super) journal: Option<Mutex<Journal>>,
     /// Slot-sized aligned buffers, reused: allocating and zeroing one per I/O costs as
     /// much as a fast device's read.
     pub(super) buffers: Mutex<Vec<AlignedBuf>>,
@@ -149,6 +153,9 @@ impl DiskStore {
                 consecutive_errors: AtomicU64::new(0),
                 disabled: AtomicBool::new(false),
                 seq: AtomicU64::new(seq),
+                journal: opts
+                    .report_changes
+                    .then(|| Mutex::new(Journal::new(geo.slots))),
                 buffers: Mutex::new(Vec::new()),
             }),
         })
@@ -162,6 +169,23 @@ impl DiskStore {
     /// The counters now.
     pub fn snapshot(&self) -> DiskSnapshot {
         self.shared.stats.snapshot()
+    }
+
+    /// Blocks that came onto the disk and left it since the last call (nothing unless
+    /// opened with `report_changes`).
+    pub fn take_changes(&self) -> DiskChanges {
+        self.shared
+            .journal
+            .as_ref()
+            .map(|j| j.lock().unwrap_or_else(PoisonError::into_inner).take())
+            .unwrap_or_default()
+    }
+
+    /// Records a change in the journal, if there is one.
+    fn journal(&self, record: impl FnOnce(&mut Journal)) {
+        if let Some(j) = &self.shared.journal {
+            record(&mut j.lock().unwrap_or_else(PoisonError::into_inner));
+        }
     }
 
     /// Whether reads and writes bypass the page cache.
@@ -215,6 +239,7 @@ impl DiskStore {
                 let n = s.consecutive_errors.fetch_add(1, Ordering::Relaxed) + 1;
                 if n >= DISABLE_AFTER_ERRORS && !s.disabled.swap(true, Ordering::AcqRel) {
                     DiskStats::set(&s.stats.disabled, 1);
+                    self.journal(Journal::all_removed);
                     log::error!(
                         "kvoffload disk tier: {} failed {n} I/Os in a row (last: {}); the disk \
                          tier is off until restart, requests recompute instead",
@@ -276,6 +301,10 @@ impl RemoteStore for DiskStore {
             match read {
                 Some(Ok(Some(value))) => {
                     self.outcome(Ok(()));
+                    // A block a restart recovered is reported once read (or written).
+                    if let Some(h) = stored_hash(&value) {
+                        self.journal(|j| j.stored(slot, h));
+                    }
                     DiskStats::add(&s.stats.reads, 1);
                     DiskStats::add(&s.stats.bytes_read, s.geo.slot_bytes);
                     out.push(Ok(Some(value)));
@@ -285,6 +314,7 @@ impl RemoteStore for DiskStore {
                     DiskStats::add(&s.stats.checksum_failures, 1);
                     index.drop_slot(slot, digest);
                     self.clear_entry(slot);
+                    self.journal(|j| j.removed(slot));
                     out.push(Ok(None));
                 }
                 Some(Err(kind)) => {
@@ -326,10 +356,17 @@ impl RemoteStore for DiskStore {
                     }
                     let d = key_digest(k.as_str().as_bytes());
                     match index.place(d) {
-                        Placement::Present => Ok(None),
+                        Placement::Present => {
+                            // A block a restart recovered is reported once written (or read).
+                            if let (Some(slot), Some(h)) = (index.find(d), stored_hash(v)) {
+                                self.journal(|j| j.stored(slot, h));
+                            }
+                            Ok(None)
+                        }
                         Placement::Write { slot, evicted } => {
                             if evicted {
                                 DiskStats::add(&s.stats.evictions, 1);
+                                self.journal(|j| j.removed(slot));
                             }
                             Ok(Some((slot, d)))
                         }
@@ -365,6 +402,9 @@ impl RemoteStore for DiskStore {
                 Ok(()) => {
                     DiskStats::add(&s.stats.writes, 1);
                     DiskStats::add(&s.stats.bytes_written, s.geo.slot_bytes);
+                    if let Some(h) = stored_hash(&entries[i].1) {
+                        self.journal(|j| j.stored(slot, h));
+                    }
                 }
                 Err(kind) => {
                     out[i] = Err(TierError::Store {
@@ -389,6 +429,7 @@ impl RemoteStore for DiskStore {
                 DiskStats::add(&s.stats.checksum_failures, 1);
                 index.drop_slot(slot, d);
                 self.clear_entry(slot);
+                self.journal(|j| j.removed(slot));
             }
         }
         self.update_resident(&index);

@@ -1,0 +1,139 @@
+"""KV events of medium ``"STORAGE"`` for the disk tier, as vLLM's Simple connector
+publishes its disk pool's.
+
+Who knows what: the workers own the disk files, so only they know which blocks a
+write-behind batch really put on disk (a full queue drops writes, a busy set skips them,
+a write can fail) and which ones a write evicted, a read found corrupt, or the tier
+dropped when it turned itself off. Each rank reports those changes by the tiers' 16-byte
+key with the step's worker metadata (:class:`DiskReports`). The scheduler knows what a
+router wants to read: vLLM's full hash (``maybe_convert_block_hash``), the block's tokens,
+its group; the CPU event log hands over each block's snapshot when it publishes the block
+on CPU, which is before any rank writes it behind (:class:`DiskEventLog`).
+
+- A block is announced (``BlockStored``, medium ``"STORAGE"``) once every rank reported
+  it on disk; its group's ``group_idx`` and spec as on CPU.
+- It is removed (``BlockRemoved``, ``"STORAGE"``) when the first rank reports it gone:
+  evicted, failed a check, or the tier turned itself off after repeated I/O errors (then
+  every block it announced is removed, one event per group).
+- vLLM's own aggregation of workers' events (``KVConnectorOutput.kv_cache_events``) keeps
+  only events every worker reported in the same step; ranks write behind at their own
+  pace, so their reports are counted here across steps instead.
+
+Blocks a restart recovered (``disk_persist``) are announced once a read or a write finds
+them there and the CPU tier published them (a fetch publishes them on CPU first).
+Memory on the scheduler: the snapshot of each block published on CPU until its disk write
+is reported (at most ``MAX_PENDING``; a dropped write's snapshot ages out), and per block on
+disk its hash and which ranks hold it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from kvoffload._native import tier_block_hash
+from kvoffload.vllm_adapter import BlockMeta, EventSpec, block_removed, block_stored
+
+#: Bytes of the tiers' block keys in the workers' reports.
+KEY_BYTES = 16
+#: Most snapshots kept for blocks published on CPU whose disk writes were not reported
+#: yet. A write-behind reaches the disk within a few steps or is dropped; the oldest
+#: snapshots go first.
+MAX_PENDING = 65536
+
+#: One rank's report: ``(rank, stored keys, removed keys)``, keys concatenated.
+DiskReport = tuple[int, bytes, bytes]
+
+
+def _keys(raw: bytes) -> list[bytes]:
+    return [raw[i : i + KEY_BYTES] for i in range(0, len(raw) - KEY_BYTES + 1, KEY_BYTES)]
+
+
+class DiskReports:
+    """A worker rank's side: the disk's changes since the last worker metadata."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._reports: list[DiskReport] = []
+
+    def add(self, stored: bytes, removed: bytes) -> None:
+        if stored or removed:
+            self._reports.append((self._rank, stored, removed))
+
+    def take(self) -> list[DiskReport]:
+        reports, self._reports = self._reports, []
+        return reports
+
+    def __bool__(self) -> bool:
+        return bool(self._reports)
+
+
+class DiskEventLog:
+    """The scheduler's side: turns the ranks' reports into ``"STORAGE"`` events."""
+
+    def __init__(self, block_size: int, specs: list[EventSpec], world_size: int) -> None:
+        self._block_size = block_size
+        self._specs = specs
+        self._all_ranks = (1 << world_size) - 1
+        # Tier key -> (group, snapshot) of blocks published on CPU, not announced yet.
+        self._pending: OrderedDict[bytes, tuple[int, BlockMeta]] = OrderedDict()
+        # Tier key -> bit mask of the ranks that reported the block on disk.
+        self._holders: dict[bytes, int] = {}
+        # Tier key -> (group, published hash) of announced blocks.
+        self._announced: dict[bytes, tuple[int, Any]] = {}
+        self._out: list[Any] = []
+
+    @property
+    def num_announced(self) -> int:
+        """Blocks announced on disk and not removed (introspection for tests)."""
+        return len(self._announced)
+
+    def cpu_published(self, group: int, key: bytes, meta: BlockMeta) -> None:
+        """The CPU tier published block ``key`` (the planner's key) of ``group``: its
+        snapshot waits for the ranks' disk reports."""
+        tk = tier_block_hash(group, key)
+        if tk in self._announced:
+            return
+        pending = self._pending
+        pending[tk] = (group, meta)
+        pending.move_to_end(tk)
+        if len(pending) > MAX_PENDING:
+            pending.popitem(last=False)
+        self._announce_if_held(tk)
+
+    def reports(self, reports: list[DiskReport]) -> None:
+        """Applies the ranks' reports in the order they came; within one, its removals
+        before its stores (see ``DiskChanges`` in the core)."""
+        for rank, stored, gone in reports:
+            bit = 1 << rank
+            removed: dict[int, list[Any]] = {}
+            for tk in _keys(gone):
+                left = self._holders.get(tk, 0) & ~bit
+                if left:
+                    self._holders[tk] = left
+                else:
+                    self._holders.pop(tk, None)
+                announced = self._announced.pop(tk, None)
+                if announced is not None:
+                    removed.setdefault(announced[0], []).append(announced[1])
+            for group, hashes in removed.items():
+                self._out.append(block_removed(hashes, group, storage=True))
+            for tk in _keys(stored):
+                self._holders[tk] = self._holders.get(tk, 0) | bit
+                self._announce_if_held(tk)
+
+    def _announce_if_held(self, tk: bytes) -> None:
+        if self._holders.get(tk, 0) != self._all_ranks:
+            return
+        entry = self._pending.pop(tk, None)
+        if entry is None:
+            return
+        group, meta = entry
+        self._announced[tk] = (group, meta.block_hash)
+        self._out.append(
+            block_stored(meta, self._block_size, self._specs[group], group, storage=True)
+        )
+
+    def take(self) -> list[Any]:
+        out, self._out = self._out, []
+        return out

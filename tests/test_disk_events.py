@@ -1,0 +1,174 @@
+"""KV events of medium ``"STORAGE"`` for the disk tier, without an engine.
+
+A real vLLM ``Scheduler`` with kvoffload (``sched_harness``) and one real worker-role
+connector whose disk tier writes real files (:class:`sched_harness.Rank`): the worker's
+disk reports reach the scheduler with the step's worker metadata, as in an engine. The
+rank rules (a block is announced once every rank holds it, removed when the first one
+drops it) are checked on :class:`kvoffload.disk_events.DiskEventLog` directly.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sched_harness import SchedHarness
+
+#: Four 4 KiB slots (one set) of the harness's 1 KiB blocks, with their index entries.
+FOUR_SLOTS = 4096 + 4 * (4096 + 64)
+
+
+def _disk(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_offload_backend": "disk",
+        "disk_path": str(tmp_path / "kv"),
+        "disk_capacity_bytes": FOUR_SLOTS,
+        **extra,
+    }
+
+
+def _serve(h: SchedHarness, rank: Any, prompt: list[int]) -> None:
+    """Serves ``prompt``, running every step's copies on ``rank`` and reporting its disk
+    writes with the next step, until they all reached the scheduler."""
+    h.add(prompt)
+    while h.scheduler.has_requests() or h.connector.has_pending_push_work():
+        s = h.step()
+        rank.run(s.output.kv_connector_metadata)
+        h.report_disk(rank.disk)
+        rank.disk.clear()
+    # Stores are written behind on the worker's thread: wait until every queued write
+    # landed, then report what the disk says.
+    deadline = time.monotonic() + 10
+    worker = rank.worker
+    while True:
+        st = dict(worker.tier.stats())
+        if st["remote_writes_done"] + st["remote_writes_failed"] >= st["remote_writes_queued"]:
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.01)
+    worker.poll()
+    report = worker.take_worker_meta()
+    if report is not None:
+        assert not report.transfer_ids
+        h.report_disk(report.disk)
+        h.step()
+
+
+def _medium(events: list[Any], kind: str, medium: str) -> list[Any]:
+    return [e for e in events if type(e).__name__ == kind and e.medium == medium]
+
+
+def _hashes(events: list[Any]) -> list[Any]:
+    return [h for e in events for h in e.block_hashes]
+
+
+def test_disk_writes_are_announced_as_storage_with_vllms_hashes_and_removed_on_eviction(
+    model: Path, tmp_path: Path, rank_zero: None
+) -> None:
+    """A CPU tier in front of the disk: each block the worker wrote is announced with
+    medium STORAGE, with the hash, tokens and group vLLM gave it on the GPU; a block the
+    disk evicts is removed with medium STORAGE."""
+    from sched_harness import Rank
+
+    h = SchedHarness(model, events=True, num_cpu_blocks=8, extra=_disk(tmp_path))
+    rank = Rank(h.scheduler.vllm_config, 1)
+    try:
+        first = h.prompt(3)
+        _serve(h, rank, first)
+        gpu = {
+            bh for e in h.gpu_events if type(e).__name__ == "BlockStored" for bh in e.block_hashes
+        }
+        cpu = _medium(h.events, "BlockStored", "CPU")
+        disk = _medium(h.events, "BlockStored", "STORAGE")
+        assert len(_hashes(cpu)) == 3
+        assert _hashes(disk) == _hashes(cpu), "the disk holds what the CPU tier stored"
+        for e in disk:
+            (bh,) = e.block_hashes
+            assert bh in gpu, "the hash vLLM published for the block on the GPU"
+            assert e.group_idx == 0
+            assert e.block_size == h.block_size
+        assert [list(e.token_ids) for e in disk] == [
+            first[i * h.block_size : (i + 1) * h.block_size] for i in range(3)
+        ]
+        # A second prompt's three blocks evict the first prompt's two least recently
+        # used from the disk's four slots.
+        _serve(h, rank, h.prompt(3))
+        removed = _medium(h.events, "BlockRemoved", "STORAGE")
+        assert len(_hashes(removed)) == 2, removed
+        assert set(_hashes(removed)) <= set(_hashes(disk))
+        assert h.offload._disk_events.num_announced == 4
+    finally:
+        rank.shutdown()
+
+
+def test_simples_disk_mode_publishes_the_disk_not_the_staging_memory(
+    model: Path, tmp_path: Path, rank_zero: None
+) -> None:
+    """Simple's disk config (no CPU budget): host memory only stages the disk, so only
+    STORAGE events are published, as Simple publishes its disk pool."""
+    from sched_harness import Rank
+
+    extra = _disk(tmp_path, cpu_bytes_to_use=None, disk_capacity_bytes=64 * 5000)
+    h = SchedHarness(model, events=True, extra=extra)
+    rank = Rank(h.scheduler.vllm_config, 1)
+    try:
+        prompt = h.prompt(3)
+        _serve(h, rank, prompt)
+        assert [e for e in h.events if getattr(e, "medium", None) == "CPU"] == []
+        disk = _medium(h.events, "BlockStored", "STORAGE")
+        assert [list(e.token_ids) for e in disk] == [
+            prompt[i * h.block_size : (i + 1) * h.block_size] for i in range(3)
+        ]
+    finally:
+        rank.shutdown()
+
+
+def _meta(i: int) -> Any:
+    from kvoffload.vllm_adapter import BlockMeta
+
+    return BlockMeta(
+        block_hash=bytes([i]) * 32,
+        parent_block_hash=None,
+        token_ids=[i] * 4,
+        lora_id=None,
+        lora_name=None,
+        extra_keys=None,
+    )
+
+
+def test_a_block_is_announced_once_every_rank_holds_it_and_removed_when_one_drops_it() -> None:
+    from kvoffload._native import tier_block_hash
+    from kvoffload.disk_events import DiskEventLog
+    from kvoffload.vllm_adapter import EventSpec
+
+    log = DiskEventLog(4, [EventSpec("full_attention", None), EventSpec("sliding_window", 8)], 2)
+    key = [tier_block_hash(g, bytes([i]) * 16) for i, g in ((1, 0), (2, 1))]
+    # Rank 0 writes before the CPU tier published the block (another rank was slower to
+    # report its copy): nothing until every rank holds it and its snapshot is known.
+    log.reports([(0, key[0], b"")])
+    log.cpu_published(0, bytes([1]) * 16, _meta(1))
+    log.cpu_published(1, bytes([2]) * 16, _meta(2))
+    assert log.take() == []
+    log.reports([(1, key[0] + key[1], b""), (0, key[1], b"")])
+    stored = log.take()
+    assert [(e.medium, e.block_hashes, e.group_idx) for e in stored] == [
+        ("STORAGE", [bytes([1]) * 32], 0),
+        ("STORAGE", [bytes([2]) * 32], 1),
+    ]
+    assert stored[1].kv_cache_spec_kind == "sliding_window"
+    # Rank 1 evicts block 1: gone from "every rank"; rank 0 evicting it too says nothing
+    # more. Rank 1 drops block 2 and writes it again (in one report: removal first).
+    log.reports([(1, key[1], key[0] + key[1])])
+    log.reports([(0, b"", key[0])])
+    removed = log.take()
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in removed] == [
+        ("BlockRemoved", "STORAGE", [bytes([1]) * 32]),
+        ("BlockRemoved", "STORAGE", [bytes([2]) * 32]),
+    ]
+    assert log.num_announced == 0
+    # A block is written again only after the CPU tier stored (and published) it again:
+    # then it is announced again, every rank holding it.
+    log.cpu_published(1, bytes([2]) * 16, _meta(2))
+    assert [e.block_hashes for e in log.take()] == [[bytes([2]) * 32]]
+    assert log.num_announced == 1
