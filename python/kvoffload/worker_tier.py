@@ -38,7 +38,7 @@ class LowerTiers:
             logger.error("kvoffload: remote tier unavailable on this rank: %s", e)
 
     def submit_fetches(self, metadata: KVOffloadMetadata) -> None:
-        for tid, _req_id, hashes, cpu, _first in metadata.fetches:
+        for tid, _req_id, hashes, cpu, *_for_events in metadata.fetches:
             if self.tier is None:
                 self._fetched.append((tid, 0))
                 continue
