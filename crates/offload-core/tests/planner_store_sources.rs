@@ -8,8 +8,9 @@ mod common;
 
 use common::planner::{
     complete_on_every_rank, hashes, new_req, planner, running, step, stored_event_hashes,
+    stored_event_keys,
 };
-use offload_core::{BlockHash, BlockKey, GroupKind, KvEvent, Planner, PlannerConfig};
+use offload_core::{BlockKey, GroupKind, Planner, PlannerConfig};
 
 #[test]
 fn eager_store_names_each_blocks_request_and_position() {
@@ -114,19 +115,10 @@ fn each_block_names_the_hash_its_stored_event_will_name() {
     assert_eq!(store.hashes, vec![h[0], h[0], h[1]]);
     assert_eq!(store.groups, vec![0, 1, 1]);
     complete_on_every_rank(&mut lazy, store.id);
-    let mut announced: Vec<(u32, BlockHash)> = lazy
-        .take_events()
-        .into_iter()
-        .filter_map(|e| match e {
-            KvEvent::Stored { group, hashes, .. } => {
-                Some(hashes.into_iter().map(move |h| (group, h)))
-            }
-            _ => None,
-        })
-        .flatten()
-        .collect();
-    announced.sort_unstable();
-    assert_eq!(announced, vec![(0, h[0]), (1, h[0]), (1, h[1])]);
+    assert_eq!(
+        stored_event_keys(lazy.take_events()),
+        vec![(0, h[0]), (1, h[0]), (1, h[1])]
+    );
 
     let mut eager = planner(16, 1, false);
     let ha = hashes(2, 3);

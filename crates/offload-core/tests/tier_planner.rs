@@ -409,17 +409,7 @@ fn a_hybrid_models_remote_hit_is_what_every_group_can_serve() {
     assert_eq!(p.lookup_tiered("a", &h, 81, 0).unwrap(), hit);
     // Fetched chains are announced per group, under the CPU hashes the fetch named
     // (not the remote keys, which differ outside group 0).
-    let mut stored: Vec<(u32, BlockHash)> = p
-        .take_events()
-        .into_iter()
-        .filter_map(|e| match e {
-            KvEvent::Stored { group, hashes, .. } => {
-                Some(hashes.into_iter().map(move |h| (group, h)))
-            }
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let stored = common::planner::stored_event_keys(p.take_events());
     let mut announced: Vec<(u32, BlockHash)> = job
         .blocks
         .iter()
@@ -427,7 +417,6 @@ fn a_hybrid_models_remote_hit_is_what_every_group_can_serve() {
         .zip(job.cpu_hashes.iter().copied())
         .collect();
     assert_ne!(job.cpu_hashes, job.hashes);
-    stored.sort_unstable();
     announced.sort_unstable();
     assert_eq!(stored, announced);
     // The load fills every full-attention block and the window's sliding blocks.
