@@ -477,6 +477,10 @@ impl PyPlanner {
     /// vLLM's hash of each lazy block of `plan`'s store (see `LazyHashes::for_store`):
     /// `walked`, the hashes of the candidates given to this plan.
     fn lazy_hashes_of(&mut self, plan: &StepPlan, walked: Vec<VllmHash>) -> Vec<Option<Py<PyAny>>> {
+        // Events off, an eager planner, or nothing offered: every step of most engines.
+        if walked.is_empty() && self.lazy_hashes.is_empty() {
+            return Vec::new();
+        }
         match &plan.store {
             Some(s) => self
                 .lazy_hashes

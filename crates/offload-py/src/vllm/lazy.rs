@@ -129,6 +129,11 @@ pub(crate) struct LazyHashes {
 }
 
 impl LazyHashes {
+    /// Whether no offered candidate's hash is kept.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.offered.is_empty()
+    }
+
     /// Keeps the hashes of candidates offered between steps.
     pub(crate) fn offer(&mut self, hashes: Vec<VllmHash>) {
         self.offered.extend(hashes);
