@@ -16,6 +16,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from kvoffload import parse_config
+from kvoffload.events import CpuEventLog
 from kvoffload.metadata import KVOffloadWorkerMetadata
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.vllm_adapter import EventSpec
@@ -58,6 +59,25 @@ def test_reset_drops_snapshots_and_published_hashes(model: Path) -> None:
     assert any(type(e).__name__ == "AllBlocksCleared" for e in h.events)
     assert log.num_snapshots == 0
     assert log.num_resident == 0
+
+
+def test_blocks_are_matched_to_the_planners_events_by_the_plans_keys() -> None:
+    """The log keys a snapshot by what the plan says the planner calls the block, never
+    by a key it derives from vLLM's hash: a block whose planner key has nothing to do
+    with its hash's bytes is still published, with vLLM's full hash, and removed."""
+    log = CpuEventLog(16, [EventSpec("full_attention", None), EventSpec("full_attention", None)])
+    vllm_hash = make_block_hash_with_group_id(b"h" * 32, 1)
+    key = b"K" * 16
+    store = (5, b"", b"", [])
+    log.store_issued(store, ([key], [None], [vllm_hash]), {}, [1])
+    assert log.num_snapshots == 1
+    log.stores_retired([("stored", 1, [key], None, 16)], [5])
+    (stored,) = cpu_stored(log.take([]))
+    assert stored.block_hashes == [maybe_convert_block_hash(get_block_hash(vllm_hash))]
+    assert stored.group_idx == 1
+    (removed,) = log.take([("removed", 1, [key])])
+    assert removed.block_hashes == stored.block_hashes
+    assert log.num_snapshots == log.num_resident == 0
 
 
 def test_a_lazy_block_freed_again_is_published_under_its_new_hash() -> None:

@@ -14,7 +14,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 
 from kvoffload._native import InvalidInputError, Planner
-from kvoffload.vllm_adapter import GROUP_ID_BYTES, FreeQueueWalker, GpuBlockHolder
+from kvoffload.vllm_adapter import FreeQueueWalker, GpuBlockHolder
 
 NUM_BLOCKS = 24
 
@@ -36,9 +36,14 @@ def cached_free_blocks(pool: BlockPool) -> list[int]:
     return [b.block_id for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash]
 
 
+def walk(walker: FreeQueueWalker, limit: int, planner: Planner) -> list[int] | None:
+    """The GPU block ids a walk offers, ``None`` when it read no node."""
+    walked = walker.candidates(limit, planner)
+    return walked.gpu_block_ids if walked is not None else None
+
+
 def offer_all(walker: FreeQueueWalker, planner: Planner) -> list[int]:
-    walked = walker.candidates(10 * NUM_BLOCKS, planner)
-    return walked[0] if walked is not None else []
+    return walk(walker, 10 * NUM_BLOCKS, planner) or []
 
 
 def freed_cached_blocks(pool: BlockPool, hashes: Hashes, n: int) -> list[KVCacheBlock]:
@@ -84,7 +89,7 @@ def test_cursor_reallocated_restarts_from_the_head(lazy_planner: Planner) -> Non
     for b in cached:
         hashes.give(b)
     pool.free_blocks(cached)
-    assert walker.candidates(2, lazy_planner)[0] == [b.block_id for b in cached[:2]]
+    assert walk(walker, 2, lazy_planner) == [b.block_id for b in cached[:2]]
     # The cursor (second block) is reallocated, loses its hash, gets a new one and is
     # freed again: the block after it was never offered, the block itself is new.
     taken = pool.get_new_blocks(2)
@@ -106,15 +111,15 @@ def test_blocks_joining_one_at_a_time_or_after_a_partial_walk_are_offered(
     # Only cached blocks in the queue: each walk of 2 offers 2.
     spare = pool.get_new_blocks(pool.get_num_free_blocks() - 3)
     first = [b.block_id for b in freed_cached_blocks(pool, hashes, 3)]
-    assert walker.candidates(2, lazy_planner)[0] == first[:2]
-    assert walker.candidates(2, lazy_planner)[0] == first[2:]
-    assert walker.candidates(2, lazy_planner) is None
+    assert walk(walker, 2, lazy_planner) == first[:2]
+    assert walk(walker, 2, lazy_planner) == first[2:]
+    assert walk(walker, 2, lazy_planner) is None
     single = spare.pop()
     hashes.give(single)
     single.ref_cnt -= 1
     pool.free_block_queue.append(single)
     assert offer_all(walker, lazy_planner) == [single.block_id]
-    assert walker.candidates(2, lazy_planner) is None
+    assert walk(walker, 2, lazy_planner) is None
     pool.free_blocks(spare)
 
 
@@ -143,17 +148,18 @@ def test_blocks_the_cpu_tier_has_are_walked_past_not_offered(lazy_planner: Plann
     duplicate, and offers the rest in queue order."""
     pool, hashes = BlockPool(NUM_BLOCKS, True, 16), Hashes()
     walker = FreeQueueWalker(pool)
-    freed = freed_cached_blocks(pool, hashes, 4)
-    ids, got = walker.candidates(10 * NUM_BLOCKS, lazy_planner)
-    assert ids == [b.block_id for b in freed]
-    # Two of them go to the next store.
-    assert lazy_planner.offer_lazy(ids[1:3], got[1:3], GROUP_ID_BYTES) == ids[1:3]
+    # Only cached blocks in the queue: a walk of 2 finds 2.
+    spare = pool.get_new_blocks(pool.get_num_free_blocks() - 4)
+    freed = [b.block_id for b in freed_cached_blocks(pool, hashes, 4)]
+    # The first two go to the next store.
+    first = walker.candidates(2, lazy_planner)
+    assert first is not None
+    assert lazy_planner.offer_lazy(first) == freed[:2]
     walker.reset()
-    ids, got = walker.candidates(10 * NUM_BLOCKS, lazy_planner)
-    assert ids == [freed[0].block_id, freed[3].block_id]
-    assert got == [freed[0].block_hash, freed[3].block_hash]
+    assert offer_all(walker, lazy_planner) == freed[2:]
     assert dict(lazy_planner.stats())["dedup_skipped"] == 2
-    assert walker.candidates(10 * NUM_BLOCKS, lazy_planner) is None
+    assert walk(walker, 10 * NUM_BLOCKS, lazy_planner) is None
+    pool.free_blocks(spare)
 
 
 def test_a_free_block_whose_hash_is_not_bytes_is_named(lazy_planner: Planner) -> None:
@@ -201,8 +207,8 @@ def test_random_queue_operations_offer_each_cached_block_once_per_stay(
                 pool.free_blocks(refs[:n])
                 del refs[:n]
             elif op == "walk":
-                ids, got = walker.candidates(rng.randint(1, NUM_BLOCKS), lazy_planner) or ([], [])
-                assert got == [pool.blocks[i].block_hash for i in ids]
+                ids = walk(walker, rng.randint(1, NUM_BLOCKS), lazy_planner) or []
+                assert all(pool.blocks[i].block_hash is not None for i in ids)
                 assert not offered.intersection(ids), f"seed {seed} step {step}: re-offered"
                 offered.update(ids)
                 chosen = [i for i in ids if rng.random() < 0.5]

@@ -237,23 +237,67 @@ def test_planner_stats_report_says_each_change_once() -> None:
     assert p.take_stats_report() == ({"store_blocks": 4}, {"cpu_blocks_used": 4})
 
 
-def test_schedule_lazy_passes_only_the_candidates_and_says_none_when_idle() -> None:
+def _free_queue(hashes: list[Any], first_id: int) -> tuple[Any, Any]:
+    """``(first node, tail sentinel)`` of a free queue linked as vLLM links its
+    ``KVCacheBlock`` nodes (``block_id``, ``_block_hash``, ``next_free_block``)."""
+    tail = node = SimpleNamespace()
+    for i in reversed(range(len(hashes))):
+        node = SimpleNamespace(block_id=first_id + i, _block_hash=hashes[i], next_free_block=node)
+    return node, tail
+
+
+def test_schedule_lazy_takes_a_walks_candidates_and_says_none_when_idle() -> None:
     """A lazy planner's step without the request lists: ``None`` when nothing is planned,
-    the plan ``schedule`` returns otherwise; planners that read the requests refuse it."""
+    the plan ``schedule`` returns otherwise; the walk's candidates are taken (never
+    offered twice); planners that read the requests refuse it."""
     p = _native.Planner(16, 64, lazy=True)
     assert p.schedule_lazy() is None
-    assert p.schedule_lazy([], [], 4) is None
     hashes = [bytes([i]) * 32 + bytes(4) for i in range(1, 4)]
-    loads, store, held, _, _ = p.schedule_lazy([7, 8, 9], hashes, 4)
+    head, tail = _free_queue(hashes, 7)
+    last, at_tail, found = p.walk_free_queue(head, tail, 10, 4)
+    assert at_tail
+    assert last.block_id == 9
+    assert found.gpu_block_ids == [7, 8, 9]
+    loads, store, held, store_events, _ = p.schedule_lazy(found)
     assert loads == []
     assert store is not None
     assert store[1] == ids(7, 8, 9)
     assert held == [7, 8, 9]
-    # Stored already: offered again, nothing is planned.
+    assert store_events is None  # events off
+    assert len(found) == 0
+    assert p.schedule_lazy(found) is None
+    # Stored already: walked again, nothing is offered.
     p.complete([store[0]], [True])
-    assert p.schedule_lazy([7, 8, 9], hashes, 4) is None
+    _, _, again = p.walk_free_queue(head, tail, 10, 4)
+    assert len(again) == 0
+    assert p.schedule_lazy(again) is None
     with pytest.raises(kvoffload.InvalidInputError, match="schedule_lazy"):
         _native.Planner(16, 64).schedule_lazy()
+
+
+def test_lazy_store_names_each_block_by_the_planners_key_and_vllms_hash() -> None:
+    """With events on, a lazy store hands out, per block, the key the planner's events
+    name it by and vLLM's own hash object (offered between steps or walked for the
+    plan): events match blocks by the planner's key without deriving it from vLLM's
+    hash, and publish vLLM's full hash."""
+    p = _native.Planner(16, 64, lazy=True, events=True)
+    hashes = [bytes([i]) * 32 + (i % 2).to_bytes(4, "big") for i in range(1, 5)]
+    head, tail = _free_queue(hashes[:2], 7)
+    p.offer_lazy(p.walk_free_queue(head, tail, 10, 4)[2])
+    head, tail = _free_queue(hashes[2:], 9)
+    plan = p.schedule_lazy(p.walk_free_queue(head, tail, 10, 4)[2])
+    assert plan is not None
+    _, store, _, store_events, _ = plan
+    assert store is not None
+    assert store_events is not None
+    keys, sources, lazy_hashes = store_events
+    assert store[1] == ids(7, 8, 9, 10)
+    assert sources == [None] * 4
+    assert all(got is want for got, want in zip(lazy_hashes, hashes, strict=True))
+    p.complete([store[0]], [True])
+    announced = [k for ev in p.take_events() if ev[0] == "stored" for k in ev[2]]
+    assert sorted(announced) == sorted(keys)
+    assert len(set(keys)) == 4
 
 
 def _scheduler_output(new: list[Any], cached: Any, scheduled: dict[str, int]) -> Any:

@@ -28,23 +28,26 @@ def pool_with_freed_blocks(n_hashed: int) -> tuple[BlockPool, list[bytes]]:
     return pool, hashes
 
 
+def walked_hashes(pool: BlockPool, walked: Any) -> list[Any]:
+    return [pool.blocks[i].block_hash for i in walked.gpu_block_ids]
+
+
 def test_walker_offers_hashed_free_blocks_oldest_first_and_resumes(lazy_planner: Planner) -> None:
     pool, hashes = pool_with_freed_blocks(4)
     walker = FreeQueueWalker(pool)
-    ids, got = walker.candidates(100, lazy_planner)
-    assert got == hashes  # LRU order; the planner drops the 4-byte group id
-    assert len(set(ids)) == 4
+    assert walked_hashes(pool, walker.candidates(100, lazy_planner)) == hashes  # LRU order
     # Nothing new since: the cursor resumes after the last block seen.
     assert walker.candidates(100, lazy_planner) is None
     walker.reset()
-    assert walker.candidates(100, lazy_planner)[1] == hashes
+    assert walked_hashes(pool, walker.candidates(100, lazy_planner)) == hashes
 
 
 def test_walker_limit_and_hold_release(lazy_planner: Planner) -> None:
     pool, hashes = pool_with_freed_blocks(4)
     walker = FreeQueueWalker(pool)
-    ids, got = walker.candidates(13, lazy_planner)  # 11 never-used blocks, then two hashed ones
-    assert got == hashes[:2]
+    walked = walker.candidates(13, lazy_planner)  # 11 never-used blocks, then two hashed ones
+    assert walked_hashes(pool, walked) == hashes[:2]
+    ids = walked.gpu_block_ids
     free_before = pool.get_num_free_blocks()
     walker.hold(ids)
     assert pool.get_num_free_blocks() == free_before - 2

@@ -10,6 +10,7 @@ __all__ = [
     "HostMemoryError",
     "InvalidInputError",
     "KVOffloadError",
+    "LazyCandidates",
     "OffloadConfig",
     "Planner",
     "QueueFullError",
@@ -91,10 +92,25 @@ def parse_config(
 _LoadTuple = tuple[int, str, bytes, bytes, bool, bool]
 #: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
 _StoreTuple = tuple[int, bytes, bytes, list[str]]
-#: ``(loads, store, held_gpu_blocks, store_sources, store_groups)``.
-_StepTuple = tuple[
-    list[_LoadTuple], _StoreTuple | None, list[int], list[tuple[int, int] | None], list[int]
-]
+#: With events on, per stored block: the planner's key (16 bytes, as ``take_events``
+#: names the block), its source (request index in ``req_ids`` and block position;
+#: ``None``: lazy) and for a lazy block vLLM's hash (``BlockHashWithGroupId``; the list
+#: is empty when no block is lazy).
+_StoreEvents = tuple[list[bytes], list[tuple[int, int] | None], list[bytes | None]]
+#: ``(loads, store, held_gpu_blocks, store_events, store_groups)``.
+_StepTuple = tuple[list[_LoadTuple], _StoreTuple | None, list[int], _StoreEvents | None, list[int]]
+#: ``(transfer_id, req_id, keys, cpu_blocks, blocks, cpu_keys)``.
+_FetchTuple = tuple[int, str, bytes, bytes, list[tuple[int, int]], list[bytes]]
+
+@final
+class LazyCandidates:
+    """GPU blocks a free-queue walk found for the planner (``Planner.walk_free_queue``);
+    their keys stay in Rust. ``Planner.offer_lazy`` and the next ``schedule_lazy`` or
+    ``schedule_output`` take them: a second use finds none."""
+    def __len__(self) -> int: ...
+    @property
+    def gpu_block_ids(self) -> list[int]:
+        """The candidates' GPU block ids, least recently used first."""
 
 @final
 class Planner:
@@ -126,9 +142,11 @@ class Planner:
     def attach_remote(self, config: OffloadConfig, layout: Mapping[str, Any]) -> None:
         """Connects the remote tier of ``config`` with the keys of ``layout``; raises
         ``RemoteTierError`` when the store cannot be used."""
-    def take_fetches(self) -> list[tuple[int, str, bytes, bytes, list[tuple[int, int]]]]:
-        """``(transfer_id, req_id, keys, cpu_blocks, blocks)``: 16-byte remote keys, u32
-        ids; ``blocks``: each block's ``(kv_cache_group, position in the request)``."""
+    def take_fetches(self) -> list[_FetchTuple]:
+        """``(transfer_id, req_id, keys, cpu_blocks, blocks, cpu_keys)``: 16-byte remote
+        keys, u32 ids; ``blocks``: each block's ``(kv_cache_group, position in the
+        request)``; ``cpu_keys`` (events on; else empty): each block's key in the CPU
+        tier, as ``take_events`` names it."""
     def complete_fetches(self, reports: list[tuple[int, int]]) -> list[int]:
         """Applies per-rank reports ``(transfer_id, filled)``; the fetches now retired."""
     def block_hashes(self, cpu_blocks: bytes) -> tuple[bytes, bytes]:
@@ -172,36 +190,31 @@ class Planner:
         strip: int = 0,
         num_scheduled_tokens: Mapping[str, int] | None = None,
     ) -> _StepTuple:
-        """Returns ``(loads, store, held_gpu_blocks, store_sources, store_groups)``: held
+        """Returns ``(loads, store, held_gpu_blocks, store_events, store_groups)``: held
         GPU blocks (lazy mode's selected blocks, none with ``stores_after_forward``, where
         a lazy store is copied before the step's forward pass; sliding-window blocks a
         multi-group store reads) must be kept from reuse until ``complete`` releases
-        them; with events on, ``store_sources`` says for each stored block its request's
-        index in the store's ``req_ids`` and its block position (``None``: a lazy
-        candidate); with several KV-cache groups, ``store_groups`` says each stored
-        block's group."""
+        them; with events on and a store, ``store_events`` (see ``_StoreEvents``) says
+        what each stored block's KV event needs; with several KV-cache groups,
+        ``store_groups`` says each stored block's group. The lazy lists are for callers
+        that do not walk vLLM's queue (``walk_free_queue``)."""
     def schedule_output(
         self,
         scheduler_output: Any,
         hash_lists: Mapping[str, Sequence[bytes]],
-        lazy_gpu_block_ids: list[int] | None = None,
-        lazy_block_hashes: list[bytes] | None = None,
-        strip: int = 0,
+        lazy: LazyCandidates | None = None,
         after_forward: bool = False,
     ) -> _StepTuple | None:
         """``schedule`` for vLLM: the request lists are read from its ``SchedulerOutput``
         (``scheduled_new_reqs``, ``scheduled_cached_reqs``, and ``num_scheduled_tokens``
-        with ``after_forward``, for planners whose stores run after the forward pass);
-        ``None`` when the step moves and holds nothing."""
-    def schedule_lazy(
-        self,
-        lazy_gpu_block_ids: list[int] | None = None,
-        lazy_block_hashes: list[bytes] | None = None,
-        strip: int = 0,
-    ) -> _StepTuple | None:
+        with ``after_forward``, for planners whose stores run after the forward pass),
+        the lazy candidates are a free-queue walk's; ``None`` when the step moves and
+        holds nothing."""
+    def schedule_lazy(self, lazy: LazyCandidates | None = None) -> _StepTuple | None:
         """``schedule`` for a planner that does not read the scheduled requests
-        (``reads_scheduled_requests`` false): only the lazy candidates; ``None`` when the
-        step plans nothing. Refused (``InvalidInputError``) by other planners."""
+        (``reads_scheduled_requests`` false): only a free-queue walk's lazy candidates;
+        ``None`` when the step plans nothing. Refused (``InvalidInputError``) by other
+        planners."""
     def request_finished(
         self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int
     ) -> bool: ...
@@ -224,19 +237,17 @@ class Planner:
     @property
     def num_free_blocks(self) -> int: ...
     def stats(self) -> list[tuple[str, int]]: ...
-    def offer_lazy(
-        self, gpu_block_ids: list[int], block_hashes: list[bytes], strip: int
-    ) -> list[int]:
-        """Lazy mode: selects blocks for the next step's store now; returns the ids to
-        hold from now on (none with ``stores_after_forward``: that store is copied
-        before the next forward pass)."""
+    def offer_lazy(self, candidates: LazyCandidates) -> list[int]:
+        """Lazy mode: selects blocks among ``candidates`` (taken) for the next step's
+        store now; returns the ids to hold from now on (none with
+        ``stores_after_forward``: that store is copied before the next forward pass)."""
     def walk_free_queue(
         self, start: Any, tail: Any, limit: int, strip: int
-    ) -> tuple[Any | None, bool, list[int], list[bytes]]:
+    ) -> tuple[Any | None, bool, LazyCandidates]:
         """Lazy mode: examines up to ``limit`` nodes of vLLM's GPU free queue from
-        ``start``, stopping at ``tail``; returns ``(last_node, at_tail, gpu_block_ids,
-        block_hashes)`` with the cached blocks (hash ``bytes`` ending in ``strip`` bytes of
-        group id) whose key the CPU tier neither holds nor is storing, in queue order.
+        ``start``, stopping at ``tail``; returns ``(last_node, at_tail, candidates)``
+        with the cached blocks (hash ``bytes`` ending in ``strip`` bytes of group id)
+        whose key the CPU tier neither holds nor is storing, in queue order.
         ``last_node`` is ``None`` when no node was examined; blocks skipped as present are
         counted in ``dedup_skipped``. An eager planner returns no block."""
     @property

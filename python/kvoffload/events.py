@@ -1,12 +1,13 @@
 """CPU-tier KV events as vLLM publishes them, built from the planner's events.
 
-The planner decides what was stored and evicted and keys blocks by the first 128 bits of
-vLLM's hash; a router correlates tiers by vLLM's full hash (converted by
-``maybe_convert_block_hash``) and wants the block's tokens. Those come from the request,
-which only the scheduler adapter holds, and only until it finishes: so each stored block
-is snapshotted when its store is issued, keyed by its KV-cache group and the planner's key,
-and the snapshot is turned into a ``BlockStored`` (with its group's ``group_idx`` and spec)
-when the planner publishes the block (every rank copied it).
+The planner decides what was stored and evicted and names blocks by its own keys; a router
+correlates tiers by vLLM's full hash (converted by ``maybe_convert_block_hash``) and wants
+the block's tokens. Those come from the request, which only the scheduler adapter holds,
+and only until it finishes (a lazy block's hash comes from vLLM's free queue, handed out
+by the planner with the store): so each stored block is snapshotted when its store is
+issued, under its KV-cache group and the key the plan names it by (the planner's, never
+derived here), and the snapshot is turned into a ``BlockStored`` (with its group's
+``group_idx`` and spec) when the planner publishes the block (every rank copied it).
 Resident blocks keep only their published hash, for the ``BlockRemoved`` of their eviction.
 Memory: one snapshot per block in flight (dropped when its store retires, published or
 failed) and one hash per block on CPU.
@@ -18,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvoffload.vllm_adapter import (
-    GROUP_ID_BYTES,
     BlockMeta,
     EventSpec,
     all_blocks_cleared,
@@ -28,14 +28,6 @@ from kvoffload.vllm_adapter import (
     logger,
     request_block_meta,
 )
-
-#: The planner's key is the first 16 bytes of vLLM's hash (shorter hashes zero-extended).
-KEY_BYTES = 16
-
-
-def planner_key(block_hash: bytes) -> bytes:
-    """The planner's key of a vLLM block hash, as its events spell it."""
-    return bytes(block_hash[:KEY_BYTES]).ljust(KEY_BYTES, b"\0")
 
 
 class CpuEventLog:
@@ -70,34 +62,31 @@ class CpuEventLog:
     def store_issued(
         self,
         store: tuple[Any, ...],
-        sources: list[tuple[int, int] | None],
+        store_events: tuple[list[bytes], list[tuple[int, int] | None], list[Any]],
         requests: dict[str, Any],
-        lazy_hashes: dict[int, bytes],
         groups: list[int] | None = None,
     ) -> None:
-        """Snapshots the blocks of the store just issued. ``sources``: per block, its
+        """Snapshots the blocks of the store just issued. ``store_events`` (the plan's,
+        per block): the planner's key, as its events name the block; the source, its
         request's index in the store's ``req_ids`` and its position (``None``: lazy);
-        ``requests``: the requests by id; ``lazy_hashes``: lazy candidates' hashes (with
-        vLLM's group id) by GPU block id; ``groups``: per block, its KV-cache group
-        (empty or ``None``: all group 0)."""
-        tid, gpu_blocks, _cpu, req_ids = store[:4]
-        gpu = memoryview(gpu_blocks).cast("I")
+        and for a lazy block, vLLM's hash (``BlockHashWithGroupId``; an empty list when
+        no block is lazy). ``requests``: the requests by id; ``groups``: per block, its
+        KV-cache group (empty or ``None``: all group 0)."""
+        tid, _gpu, _cpu, req_ids = store[:4]
+        block_keys, sources, lazy_hashes = store_events
         keys: list[tuple[int, bytes]] = []
         for j, src in enumerate(sources):
-            group = groups[j] if groups else 0
             if src is None:
-                h = lazy_hashes.get(gpu[j])
+                h = lazy_hashes[j] if lazy_hashes else None
                 if h is None:
                     continue
-                raw, meta = h[:-GROUP_ID_BYTES], gpu_block_meta(h)
-                group = int.from_bytes(h[-GROUP_ID_BYTES:], "big")
+                meta = gpu_block_meta(h)
             else:
                 request = requests.get(req_ids[src[0]])
                 if request is None or src[1] >= len(request.block_hashes):
                     continue
-                raw = request.block_hashes[src[1]]
                 meta = request_block_meta(request, src[1], self._block_size)
-            key = (group, planner_key(raw))
+            key = (groups[j] if groups else 0, block_keys[j])
             self._in_flight[key] = meta
             keys.append(key)
         if len(keys) < len(sources):
@@ -111,15 +100,15 @@ class CpuEventLog:
     def fetch_issued(self, fetches: list[tuple[Any, ...]], requests: dict[str, Any]) -> None:
         """Snapshots the blocks of remote fetches just issued: once every rank fetched
         them they are on CPU like stored blocks, and announced the same way."""
-        for tid, req_id, _keys, _cpu, blocks in fetches:
+        for tid, req_id, _keys, _cpu, blocks, cpu_keys in fetches:
             request = requests.get(req_id)
             if request is None:
                 continue
             keys: list[tuple[int, bytes]] = []
-            for group, i in blocks:
+            for (group, i), cpu_key in zip(blocks, cpu_keys, strict=True):
                 if i >= len(request.block_hashes):
                     continue
-                key = (group, planner_key(request.block_hashes[i]))
+                key = (group, cpu_key)
                 self._in_flight[key] = request_block_meta(request, i, self._block_size)
                 keys.append(key)
             if keys:

@@ -16,10 +16,11 @@ from kvoffload.vllm_adapter import (
 LoadSpec = tuple[int, str, bytes, bytes, bool, bool]
 #: ``(transfer_id, gpu_blocks, cpu_blocks, req_ids)``.
 StoreSpec = tuple[int, bytes, bytes, list[str]]
-#: ``(transfer_id, req_id, keys, cpu_blocks, blocks)``: fetch blocks by their 16-byte
-#: remote keys into CPU blocks the scheduler reserved for them (``blocks``: each one's
-#: ``(kv_cache_group, position in the request)``).
-FetchSpec = tuple[int, str, bytes, bytes, list[tuple[int, int]]]
+#: ``(transfer_id, req_id, keys, cpu_blocks, blocks, cpu_keys)``: fetch blocks by their
+#: 16-byte remote keys into CPU blocks the scheduler reserved for them (``blocks``: each
+#: one's ``(kv_cache_group, position in the request)``; ``cpu_keys``, with KV events on:
+#: each one's key in the CPU tier, as the planner's events name it; workers use neither).
+FetchSpec = tuple[int, str, bytes, bytes, list[tuple[int, int]], list[bytes]]
 
 
 @dataclass

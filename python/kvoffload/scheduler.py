@@ -10,7 +10,6 @@ from kvoffload.events import CpuEventLog
 from kvoffload.metadata import IDLE_STEP, KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.stats import KVOffloadStats, disk_tier_counters
 from kvoffload.vllm_adapter import (
-    GROUP_ID_BYTES,
     EventSpec,
     FreeQueueWalker,
     GpuBlockHolder,
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
 
 #: A step that plans nothing, unpacked like a plan without building one: every field is
 #: only tested or iterated, never changed, and the loads are replaced before they are sent.
-_NO_PLAN: Final[_StepTuple] = ((), None, (), (), ())  # type: ignore[assignment]
+_NO_PLAN: Final[_StepTuple] = ((), None, (), None, ())  # type: ignore[assignment]
 
 #: Lazy mode keeps this many steps' worth of batched tokens offloaded ahead of eviction
 #: (the same watermark as vLLM's SimpleCPUOffloadConnector).
@@ -100,8 +99,6 @@ class OffloadScheduler:
         # Holds GPU blocks an eager store reads that vLLM frees from running requests
         # (sliding-window and Mamba groups).
         self._holder: GpuBlockHolder | None = None
-        #: With events on: GPU block id -> hash of blocks offered since the last plan.
-        self._offered: dict[int, bytes] = {}
         #: With a tier below the CPU: each request's last hit offered (its tokens).
         self._offered_hits: dict[str, int] = {}
         if not self._lazy:
@@ -197,39 +194,22 @@ class OffloadScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         after_forward = self._stores_after_forward
         planner = self._planner
-        lazy_ids = lazy_hashes = None
-        if self._walker is not None:
-            walked = self._walker.candidates(self._lazy_limit, planner)
-            if walked is not None:
-                lazy_ids, lazy_hashes = walked
+        # The walk's candidates go from the walk to the planner as a handle: their keys
+        # stay in Rust.
+        lazy = None if self._walker is None else self._walker.candidates(self._lazy_limit, planner)
         if self._reads_requests:
-            plan = planner.schedule_output(
-                scheduler_output,
-                self._hash_lists,
-                lazy_ids,
-                lazy_hashes,
-                GROUP_ID_BYTES,
-                after_forward,
-            )
+            plan = planner.schedule_output(scheduler_output, self._hash_lists, lazy, after_forward)
         else:
             # Most lazy steps plan nothing: then no plan tuple is built at all.
-            plan = planner.schedule_lazy(lazy_ids, lazy_hashes, GROUP_ID_BYTES)
+            plan = planner.schedule_lazy(lazy)
         if plan is None:
-            loads, store, held, sources, groups = _NO_PLAN
+            loads, store, held, store_events, groups = _NO_PLAN
         else:
-            loads, store, held, sources, groups = plan
+            loads, store, held, store_events, groups = plan
         if self._events is not None:
-            if store is not None:
+            if store is not None and store_events is not None:
                 requests = self._requests if not self._finished else self._finished_first()
-                # Offered between steps, or walked now: the walk saw the newer hash.
-                lazy = self._offered
-                if lazy_ids and lazy_hashes is not None:
-                    lazy.update(zip(lazy_ids, lazy_hashes, strict=True))
-                self._events.store_issued(store, sources, requests, lazy, groups)
-            # What was offered since the last plan and chosen is in this store; the rest
-            # was not stored, and its block may come back under another hash.
-            if self._offered:
-                self._offered.clear()
+                self._events.store_issued(store, store_events, requests, groups)
             self._finished.clear()
         if held:
             holder = self._walker or self._holder
@@ -283,14 +263,13 @@ class OffloadScheduler:
         ):
             return
         walked = walker.candidates(self._lazy_limit, self._planner)
-        if walked is None or not walked[0]:
+        if not walked:
             return
-        ids, hashes = walked
-        held = self._planner.offer_lazy(ids, hashes, GROUP_ID_BYTES)
+        # With events on, the planner keeps vLLM's hashes of what it was offered until
+        # the next plan says which of them it stores.
+        held = self._planner.offer_lazy(walked)
         if held:
             walker.hold(held)
-        if self._events is not None:
-            self._offered.update(zip(ids, hashes, strict=True))
 
     def _apply_reports(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta

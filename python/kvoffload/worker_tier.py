@@ -55,7 +55,7 @@ class LowerTiers:
             self._disk = DiskReports(int(layout["tp_rank"]))
 
     def submit_fetches(self, metadata: KVOffloadMetadata) -> None:
-        for tid, _req_id, hashes, cpu, _first in metadata.fetches:
+        for tid, _req_id, hashes, cpu, *_for_events in metadata.fetches:
             if self.tier is None:
                 self._fetched.append((tid, 0))
                 continue

@@ -6,9 +6,11 @@
 
 mod common;
 
-use common::planner::{complete_on_every_rank, hashes, new_req, planner, running, step};
-use offload_core::GroupKind;
-use offload_core::{Planner, PlannerConfig};
+use common::planner::{
+    complete_on_every_rank, hashes, new_req, planner, running, step, stored_event_hashes,
+    stored_event_keys,
+};
+use offload_core::{BlockKey, GroupKind, Planner, PlannerConfig};
 
 #[test]
 fn eager_store_names_each_blocks_request_and_position() {
@@ -89,6 +91,47 @@ fn lazy_blocks_have_no_source() {
 }
 
 #[test]
+fn each_block_names_the_hash_its_stored_event_will_name() {
+    // Lazy candidates of two groups sharing a hash, and an eager store: the hash each
+    // block carries is the one the `Stored` event about it names.
+    let kinds = [GroupKind::FullAttention, GroupKind::FullAttention];
+    let mut lazy = Planner::new(
+        PlannerConfig::new(16, 8).with_lazy(true).with_events(true),
+        &kinds,
+    );
+    let h = hashes(1, 2);
+    let store = lazy
+        .schedule(
+            Vec::<common::planner::Sched<'_>>::new(),
+            [
+                (7, BlockKey::new(0, h[0])),
+                (8, BlockKey::new(1, h[0])),
+                (9, BlockKey::new(1, h[1])),
+            ],
+        )
+        .unwrap()
+        .store
+        .unwrap();
+    assert_eq!(store.hashes, vec![h[0], h[0], h[1]]);
+    assert_eq!(store.groups, vec![0, 1, 1]);
+    complete_on_every_rank(&mut lazy, store.id);
+    assert_eq!(
+        stored_event_keys(lazy.take_events()),
+        vec![(0, h[0]), (1, h[0]), (1, h[1])]
+    );
+
+    let mut eager = planner(16, 1, false);
+    let ha = hashes(2, 3);
+    step(&mut eager, [new_req("a", 0, &[0, 1, 2, 3], &ha)]);
+    let store = step(&mut eager, [running("a", 48, &[], &ha)])
+        .store
+        .unwrap();
+    assert_eq!(store.hashes, ha);
+    complete_on_every_rank(&mut eager, store.id);
+    assert_eq!(stored_event_hashes(&eager.take_events()), ha);
+}
+
+#[test]
 fn retired_stores_are_reported_once_every_rank_reported_ok_or_not() {
     let mut p = planner(16, 2, false);
     let h = hashes(1, 2);
@@ -112,6 +155,7 @@ fn without_events_nothing_is_reported() {
     step(&mut p, [new_req("a", 0, &[0, 1, 2], &h)]);
     let store = step(&mut p, [running("a", 32, &[], &h)]).store.unwrap();
     assert!(store.sources.is_empty());
+    assert!(store.hashes.is_empty());
     p.complete(store.id, true).unwrap();
     assert!(p.take_completions().retired_stores.is_empty());
 }

@@ -86,6 +86,10 @@ fn fetched_blocks_are_announced_like_stored_ones() {
     assert_eq!(settle(&mut p, "a", &h, 81), LookupOutcome::Pending);
     let job = p.take_fetches().remove(0);
     assert_eq!((job.first_block, &job.hashes[..]), (1, &h[1..4]));
+    assert_eq!(
+        job.cpu_hashes, job.hashes,
+        "group 0: the remote key is the hash"
+    );
     assert!(
         p.take_events().is_empty(),
         "nothing is on CPU before the fetch is done"
@@ -403,16 +407,18 @@ fn a_hybrid_models_remote_hit_is_what_every_group_can_serve() {
         remote_tokens: 80,
     };
     assert_eq!(p.lookup_tiered("a", &h, 81, 0).unwrap(), hit);
-    // Fetched chains are announced per group.
-    let stored: Vec<(u32, usize)> = p
-        .take_events()
-        .into_iter()
-        .filter_map(|e| match e {
-            KvEvent::Stored { group, hashes, .. } => Some((group, hashes.len())),
-            _ => None,
-        })
+    // Fetched chains are announced per group, under the CPU hashes the fetch named
+    // (not the remote keys, which differ outside group 0).
+    let stored = common::planner::stored_event_keys(p.take_events());
+    let mut announced: Vec<(u32, BlockHash)> = job
+        .blocks
+        .iter()
+        .map(|&(g, _)| g)
+        .zip(job.cpu_hashes.iter().copied())
         .collect();
-    assert_eq!(stored.iter().map(|(_, n)| n).sum::<usize>(), 7);
+    assert_ne!(job.cpu_hashes, job.hashes);
+    announced.sort_unstable();
+    assert_eq!(stored, announced);
     // The load fills every full-attention block and the window's sliding blocks.
     let tables = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]];
     p.on_alloc("a", &tables, 0, 80).unwrap();

@@ -235,7 +235,7 @@ pub(crate) fn ids_to_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBy
 }
 
 /// A 16-byte hash as Python `bytes`.
-fn hash_bytes<'py>(py: Python<'py>, h: BlockHash) -> Bound<'py, PyBytes> {
+pub(crate) fn hash_bytes<'py>(py: Python<'py>, h: BlockHash) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &h.0.to_le_bytes())
 }
 

@@ -19,6 +19,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<config::PyOffloadConfig>()?;
     m.add_class::<planner::PyPlanner>()?;
+    m.add_class::<vllm::lazy::LazyCandidates>()?;
     m.add_class::<transfer::PyTransferEngine>()?;
     m.add_class::<tier::PyWorkerTier>()?;
     m.add_function(wrap_pyfunction!(tier::remote_sharing_problem, m)?)?;

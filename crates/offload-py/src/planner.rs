@@ -4,32 +4,37 @@
 use std::sync::Arc;
 
 use offload_core::tier::{ProbeQueue, TierStats};
-use offload_core::{BlockHash, LookupOutcome, Planner, PlannerConfig, ScheduledRequest};
+use offload_core::{BlockHash, LookupOutcome, Planner, PlannerConfig, ScheduledRequest, StepPlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PyTuple};
 
 use crate::config::PyOffloadConfig;
-use crate::convert::{block_ids, count, event_tuple, group_kind, ids_to_bytes, PyHashes};
+use crate::convert::{
+    block_ids, count, event_tuple, group_kind, hash_bytes, ids_to_bytes, PyHashes,
+};
 use crate::errors::{plan_err, INVALID_INPUT_ERROR, REMOTE_TIER_ERROR};
 use crate::stats_report::{all_counters, Report, StatsReport};
 use crate::tier::{check_lower, connect, hashes_to_bytes, kv_layout, Side};
 use crate::transfer::ids_from_bytes;
 use crate::vllm::blocks::allocated_windows;
 use crate::vllm::free_queue::{self, Walk};
+use crate::vllm::lazy::{lazy_candidates, LazyCandidates, LazyHashes, VllmHash};
 use crate::vllm::running::RunningWatch;
 use crate::vllm::schedule::plan_requests;
 use crate::vllm::step::{
-    all_group_ids, lazy_candidates, step_lists, step_or_none, step_to_py, StepLists, StepTuple,
+    all_group_ids, step_lists, step_or_none, step_to_py, StepLists, StepTuple,
 };
 
-/// `(id, req_id, keys, cpu_blocks, blocks)`: 16-byte remote keys, little-endian u32 block
-/// ids, and each block's `(group, position)` in its request.
+/// `(id, req_id, keys, cpu_blocks, blocks, cpu_keys)`: 16-byte remote keys, little-endian
+/// u32 block ids, each block's `(group, position)` in its request, and with events on
+/// each block's CPU-tier hash as `take_events` names it (empty with events off).
 type FetchTuple<'py> = (
     u64,
     String,
     Bound<'py, PyBytes>,
     Bound<'py, PyBytes>,
     Vec<(u32, usize)>,
+    Vec<Bound<'py, PyBytes>>,
 );
 /// `(finished_sending, finished_recving, load_error_blocks, released_gpu_blocks,
 /// retired_stores)`.
@@ -44,6 +49,8 @@ pub(crate) struct PyPlanner {
     report: StatsReport,
     /// The previous step's running requests, which a step may leave out of the core.
     running: RunningWatch,
+    /// With events on: vLLM's hashes of lazy candidates offered since the last plan.
+    lazy_hashes: LazyHashes,
 }
 
 #[pymethods]
@@ -89,6 +96,7 @@ impl PyPlanner {
             inner: Planner::new(cfg, &kinds),
             report: StatsReport::default(),
             running: RunningWatch::default(),
+            lazy_hashes: LazyHashes::default(),
         })
     }
 
@@ -140,9 +148,7 @@ impl PyPlanner {
         Ok(())
     }
 
-    /// Fetches planned since the last call, for the workers:
-    /// `(transfer_id, req_id, keys, cpu_blocks, blocks)` (16-byte remote keys,
-    /// little-endian u32 ids; `blocks`: each block's `(group, position)` in the request).
+    /// Fetches planned since the last call, for the workers (see [`FetchTuple`]).
     fn take_fetches<'py>(&mut self, py: Python<'py>) -> Vec<FetchTuple<'py>> {
         self.inner
             .take_fetches()
@@ -154,6 +160,10 @@ impl PyPlanner {
                     hashes_to_bytes(py, f.hashes),
                     ids_to_bytes(py, &f.cpu_blocks),
                     f.blocks,
+                    f.cpu_hashes
+                        .into_iter()
+                        .map(|h| hash_bytes(py, h))
+                        .collect(),
                 )
             })
             .collect()
@@ -253,11 +263,10 @@ impl PyPlanner {
     /// Records the step's scheduled requests (vLLM's `NewRequestData` fields and
     /// `CachedRequestData` lists; `hash_lists` maps request ids to their
     /// `block_hashes`) and, in lazy mode, GPU blocks about to be evicted with their
-    /// hashes (`strip`: trailing bytes to drop from each, vLLM's 4-byte group id).
-    /// `num_scheduled_tokens` (`{request_id: tokens}`, vLLM's own dict) is read for
-    /// planners whose stores run after the forward pass. Returns
-    /// `(loads, store, held_gpu_blocks)` for the workers, and with events on the store's
-    /// per-block `(index in its req_ids, block position)` (`None`: lazy).
+    /// hashes (`strip`: trailing bytes to drop from each, vLLM's 4-byte group id), for
+    /// callers that do not walk vLLM's queue. `num_scheduled_tokens`
+    /// (`{request_id: tokens}`, vLLM's own dict) is read for planners whose stores run
+    /// after the forward pass. Returns a [`StepTuple`].
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
         new_req_ids, new_num_computed, new_block_ids, cached_req_ids, cached_num_computed,
@@ -290,46 +299,42 @@ impl PyPlanner {
             resumed_req_ids: resumed_req_ids.clone(),
             num_scheduled_tokens: num_scheduled_tokens.map(|m| m.clone().into_any()),
         };
-        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
+        let keep = self.inner.config().events;
+        let (lazy, walked) =
+            lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip, keep)?.into_parts();
         let plan = plan_requests(&mut self.inner, &mut self.running, &lists, hash_lists, lazy)?;
-        Ok(step_to_py(py, plan))
+        let hashes = self.lazy_hashes_of(&plan, walked);
+        Ok(step_to_py(py, plan, hashes))
     }
 
     /// [`schedule`](Self::schedule) for vLLM: the request lists are read from its
     /// `SchedulerOutput` (and its `num_scheduled_tokens` with `after_forward`, for
-    /// planners whose stores run after the forward pass); `None` when the step moves and
-    /// holds nothing.
-    #[pyo3(signature = (
-        scheduler_output, hash_lists, lazy_gpu_block_ids = None, lazy_block_hashes = None,
-        strip = 0, after_forward = false
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    /// planners whose stores run after the forward pass), the lazy candidates are those
+    /// a free-queue walk found; `None` when the step moves and holds nothing.
+    #[pyo3(signature = (scheduler_output, hash_lists, lazy = None, after_forward = false))]
     fn schedule_output<'py>(
         &mut self,
         py: Python<'py>,
         scheduler_output: &Bound<'py, PyAny>,
         hash_lists: &Bound<'py, PyMapping>,
-        lazy_gpu_block_ids: Option<&Bound<'py, PyList>>,
-        lazy_block_hashes: Option<&Bound<'py, PyList>>,
-        strip: usize,
+        lazy: Option<&Bound<'py, LazyCandidates>>,
         after_forward: bool,
     ) -> PyResult<Option<StepTuple<'py>>> {
         let lists = step_lists(scheduler_output, after_forward)?;
-        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
+        let (lazy, walked) = LazyCandidates::take(lazy);
         let plan = plan_requests(&mut self.inner, &mut self.running, &lists, hash_lists, lazy)?;
-        Ok(step_or_none(py, plan))
+        let hashes = self.lazy_hashes_of(&plan, walked);
+        Ok(step_or_none(py, plan, hashes))
     }
 
     /// [`schedule`](Self::schedule) for a planner that does not read the scheduled
-    /// requests (`reads_scheduled_requests` is false: lazy mode): only the
-    /// step's lazy candidates cross, not eight empty request arguments every step.
-    #[pyo3(signature = (lazy_gpu_block_ids = None, lazy_block_hashes = None, strip = 0))]
+    /// requests (`reads_scheduled_requests` is false: lazy mode): only the step's lazy
+    /// candidates (a free-queue walk's), not eight empty request arguments every step.
+    #[pyo3(signature = (lazy = None))]
     fn schedule_lazy<'py>(
         &mut self,
         py: Python<'py>,
-        lazy_gpu_block_ids: Option<&Bound<'py, PyList>>,
-        lazy_block_hashes: Option<&Bound<'py, PyList>>,
-        strip: usize,
+        lazy: Option<&Bound<'py, LazyCandidates>>,
     ) -> PyResult<Option<StepTuple<'py>>> {
         if self.inner.reads_scheduled_requests() {
             return Err(INVALID_INPUT_ERROR.err(
@@ -337,10 +342,11 @@ impl PyPlanner {
                  schedule or schedule_output",
             ));
         }
-        let lazy = lazy_candidates(lazy_gpu_block_ids, lazy_block_hashes, strip)?;
+        let (lazy, walked) = LazyCandidates::take(lazy);
         let none = std::iter::empty::<ScheduledRequest<'_, PyHashes<'py>, Vec<Vec<u32>>>>();
         let plan = self.inner.schedule(none, lazy).map_err(plan_err)?;
-        Ok(step_or_none(py, plan))
+        let hashes = self.lazy_hashes_of(&plan, walked);
+        Ok(step_or_none(py, plan, hashes))
     }
 
     /// `req_id` finished; returns whether vLLM must keep its GPU blocks.
@@ -407,22 +413,19 @@ impl PyPlanner {
         self.inner.has_pending_plan()
     }
 
-    /// Lazy mode: selects GPU blocks (ids and hashes as in `schedule`) for the next
-    /// step's store now; returns the ids the caller must hold from now on (none when
-    /// stores are copied within the step, see `offload_core::Planner::offer_lazy`).
-    fn offer_lazy(
-        &mut self,
-        gpu_block_ids: &Bound<'_, PyList>,
-        block_hashes: &Bound<'_, PyList>,
-        strip: usize,
-    ) -> PyResult<Vec<u32>> {
-        let lazy = lazy_candidates(Some(gpu_block_ids), Some(block_hashes), strip)?;
-        Ok(self.inner.offer_lazy(lazy))
+    /// Lazy mode: selects GPU blocks among `candidates` (a free-queue walk's, taken)
+    /// for the next step's store now; returns the ids the caller must hold from now on
+    /// (none when stores are copied within the step, see
+    /// `offload_core::Planner::offer_lazy`).
+    fn offer_lazy(&mut self, candidates: &Bound<'_, LazyCandidates>) -> Vec<u32> {
+        let (lazy, hashes) = LazyCandidates::take(Some(candidates));
+        self.lazy_hashes.offer(hashes);
+        self.inner.offer_lazy(lazy)
     }
 
     /// Lazy mode: walks vLLM's GPU free queue from node `start` (see `free_queue::walk`);
-    /// returns `(last_node, at_tail, gpu_block_ids, block_hashes)`, the candidates
-    /// without those the CPU tier holds already, ready for `offer_lazy` or `schedule`.
+    /// returns `(last_node, at_tail, candidates)`, the candidates without those the CPU
+    /// tier holds already, for `offer_lazy` or `schedule_lazy`/`schedule_output`.
     fn walk_free_queue<'py>(
         &mut self,
         start: Bound<'py, PyAny>,
@@ -430,7 +433,8 @@ impl PyPlanner {
         limit: usize,
         strip: usize,
     ) -> PyResult<Walk<'py>> {
-        free_queue::walk(&mut self.inner, start, &tail, limit, strip)
+        let keep_hashes = self.inner.config().events;
+        free_queue::walk(&mut self.inner, start, &tail, limit, strip, keep_hashes)
     }
 
     /// Whether `schedule` reads the request lists (see
@@ -472,5 +476,25 @@ impl PyPlanner {
     /// nothing did.
     fn take_stats_report<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Report<'py>>> {
         self.report.take(py, &self.inner)
+    }
+}
+
+impl PyPlanner {
+    /// vLLM's hash of each lazy block of `plan`'s store (see `LazyHashes::for_store`):
+    /// `walked`, the hashes of the candidates given to this plan.
+    fn lazy_hashes_of(&mut self, plan: &StepPlan, walked: Vec<VllmHash>) -> Vec<Option<Py<PyAny>>> {
+        // Events off, an eager planner, or nothing offered: every step of most engines.
+        if walked.is_empty() && self.lazy_hashes.is_empty() {
+            return Vec::new();
+        }
+        match &plan.store {
+            Some(s) => self
+                .lazy_hashes
+                .for_store(walked, &s.gpu_blocks, &s.sources),
+            None => {
+                self.lazy_hashes.clear();
+                Vec::new()
+            }
+        }
     }
 }

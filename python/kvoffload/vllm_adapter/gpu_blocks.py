@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvoffload._native import Planner
+    from kvoffload._native import LazyCandidates, Planner
 
 #: vLLM appends the KV-cache group id (4 bytes, big-endian) to a GPU block's hash.
 GROUP_ID_BYTES = 4
@@ -236,13 +236,14 @@ class FreeQueueWalker(GpuBlockHolder):
         if last is not start:
             self._cursor = last
 
-    def candidates(self, limit: int, planner: Planner) -> tuple[list[int], list[bytes]] | None:
+    def candidates(self, limit: int, planner: Planner) -> LazyCandidates | None:
         """Examines up to ``limit`` blocks not examined during their current stay in the
-        queue; returns the ids and hashes (with vLLM's group id) of those with a hash
-        that ``planner``'s CPU tier lacks, or ``None`` when no block joined the queue
-        since the previous walk. The nodes are read in Rust (``Planner.walk_free_queue``):
-        a burst of freed blocks is a few hundred, most of them in the CPU tier already,
-        and only the others are handed back."""
+        queue; returns those with a hash that ``planner``'s CPU tier lacks, for
+        ``planner.offer_lazy`` or its next ``schedule_lazy``/``schedule_output``, or
+        ``None`` when no block joined the queue since the previous walk. The nodes are
+        read in Rust (``Planner.walk_free_queue``): a burst of freed blocks is a few
+        hundred, most of them in the CPU tier already, and the keys of the others stay
+        there (the candidates are a handle; Python never sees their hashes)."""
         if not self._joined:
             # Most calls; no lists are allocated for them (see `metadata.IDLE_STEP`).
             return None
@@ -252,12 +253,12 @@ class FreeQueueWalker(GpuBlockHolder):
         if node is tail:
             self._joined = False
             return None
-        last, at_tail, ids, hashes = planner.walk_free_queue(node, tail, limit, GROUP_ID_BYTES)
+        last, at_tail, found = planner.walk_free_queue(node, tail, limit, GROUP_ID_BYTES)
         if last is not None:
             self._cursor = last
         if at_tail:
             self._joined = False
-        return ids, hashes
+        return found
 
 
 def skips_prefix_cache(request: Any) -> bool:

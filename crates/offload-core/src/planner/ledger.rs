@@ -113,6 +113,11 @@ impl Planner {
             } else {
                 Vec::new()
             },
+            hashes: if self.cfg.events {
+                pending.entries.iter().map(|e| e.hash).collect()
+            } else {
+                Vec::new()
+            },
             groups: if self.kinds.len() > 1 {
                 (0..pending.entries.len())
                     .map(|i| group_of(&pending.groups, i))

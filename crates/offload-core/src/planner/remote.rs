@@ -63,6 +63,10 @@ pub struct FetchJob {
     /// Pairwise with `cpu_blocks`: each block's KV-cache group and position in the
     /// request's chain of block hashes.
     pub blocks: Vec<(u32, usize)>,
+    /// With events on, pairwise with `cpu_blocks`: each block's hash in the CPU tier, as
+    /// the [`KvEvent::Stored`](crate::KvEvent::Stored) announcing it once fetched names
+    /// it (`hashes` are the remote tier's keys). Empty with events off.
+    pub cpu_hashes: Vec<BlockHash>,
 }
 
 /// Counters of the scheduler's side of the remote tier.
@@ -325,6 +329,11 @@ impl Planner {
             cpu_blocks: blocks.clone(),
             first_block: end,
             blocks: wanted.iter().map(|w| (w.key.group, w.pos)).collect(),
+            cpu_hashes: if self.cfg.events {
+                wanted.iter().map(|w| w.key.hash).collect()
+            } else {
+                Vec::new()
+            },
         });
         remote.fetches.insert(
             id,

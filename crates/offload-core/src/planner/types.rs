@@ -247,6 +247,11 @@ pub struct StoreJob {
     /// for a lazy candidate. The caller snapshots what vLLM's events need (tokens, full
     /// hash, LoRA) while it still holds the request. Empty with events off.
     pub sources: Vec<Option<(u32, u32)>>,
+    /// With events on, pairwise with `cpu_blocks`: the hash each block is stored under,
+    /// as the [`KvEvent`](crate::KvEvent)s about it name it, so a caller matches its
+    /// snapshots to the events without knowing how a key is made from a server's hash.
+    /// Empty with events off.
+    pub hashes: Vec<BlockHash>,
     /// Multi-group planners: each block's KV-cache group, pairwise with `cpu_blocks`
     /// (workers copy a block id the same whatever its group). Empty on one group.
     pub groups: Vec<u32>,

@@ -188,6 +188,22 @@ pub fn store_keys(p: &Planner, store: &StoreJob) -> Vec<BlockHash> {
         .collect()
 }
 
+/// Every block announced by `Stored` events, as `(group, hash)`, sorted.
+pub fn stored_event_keys(events: Vec<KvEvent>) -> Vec<(u32, BlockHash)> {
+    let mut keys: Vec<(u32, BlockHash)> = events
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::Stored { group, hashes, .. } => {
+                Some(hashes.into_iter().map(move |h| (group, h)))
+            }
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    keys.sort_unstable();
+    keys
+}
+
 /// Every hash announced by `Stored` events, in order.
 pub fn stored_event_hashes(events: &[KvEvent]) -> Vec<BlockHash> {
     events

@@ -4,37 +4,32 @@
 //! `FreeKVCacheBlockQueue`, a linked list of `KVCacheBlock` nodes. A request that
 //! finishes frees a burst of a few hundred, and most of them are in the CPU tier already
 //! (loaded from it, or stored before). Read here, a node costs a few attribute reads and
-//! an index probe; only the blocks the CPU tier lacks reach Python as ids and hashes, and
-//! the planner is offered just those.
+//! an index probe; the blocks the CPU tier lacks become [`LazyCandidates`], which Python
+//! passes on to the planner without seeing their keys.
 
 use offload_core::{BlockKey, Planner};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
 
-use super::step::candidate_key;
+use super::lazy::{candidate_key, LazyCandidates};
 use crate::convert::block_id;
 
 /// One walk: the last node examined (`None` when the walk examined none), whether it
-/// stopped at the queue's tail, and the ids and hashes (`bytes` as vLLM keeps them) of
-/// the cached blocks the CPU tier neither holds nor is storing, in queue order.
-pub(crate) type Walk<'py> = (
-    Option<Bound<'py, PyAny>>,
-    bool,
-    Vec<u32>,
-    Bound<'py, PyList>,
-);
+/// stopped at the queue's tail, and the cached blocks the CPU tier neither holds nor is
+/// storing, in queue order.
+pub(crate) type Walk<'py> = (Option<Bound<'py, PyAny>>, bool, Bound<'py, LazyCandidates>);
 
 /// Examines up to `limit` nodes from `start` on, stopping at `tail` (the queue's sentinel)
 /// or at a node without a successor. A node's hash is vLLM's `BlockHashWithGroupId`:
 /// `strip` trailing bytes are its KV-cache group id. Blocks without a hash are passed
-/// over.
+/// over. The candidates keep vLLM's hash objects when `keep_hashes` (events on).
 pub(crate) fn walk<'py>(
     planner: &mut Planner,
     start: Bound<'py, PyAny>,
     tail: &Bound<'py, PyAny>,
     limit: usize,
     strip: usize,
+    keep_hashes: bool,
 ) -> PyResult<Walk<'py>> {
     let py = start.py();
     let mut node = start;
@@ -59,14 +54,18 @@ pub(crate) fn walk<'py>(
     }
     let at_tail = node.is(tail);
     planner.retain_unstored(&mut cached, |c| &c.2);
-    let mut ids = Vec::with_capacity(cached.len());
-    let hashes = PyList::empty(py);
-    for (block, hash, _) in cached {
-        ids.push(block_id(
+    let mut blocks = Vec::with_capacity(cached.len());
+    let mut hashes = Vec::with_capacity(if keep_hashes { cached.len() } else { 0 });
+    for (block, hash, key) in cached {
+        let id = block_id(
             &block.getattr(intern!(py, "block_id"))?,
             "free queue block_id",
-        )?);
-        hashes.append(hash)?;
+        )?;
+        blocks.push((id, key));
+        if keep_hashes {
+            hashes.push((id, hash.unbind()));
+        }
     }
-    Ok((last, at_tail, ids, hashes))
+    let candidates = Bound::new(py, LazyCandidates::new(blocks, hashes))?;
+    Ok((last, at_tail, candidates))
 }

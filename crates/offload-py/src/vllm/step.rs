@@ -6,12 +6,12 @@
 //! spares a Python function, a tuple and an unpacking per step, and the running
 //! requests' lists pass through untouched (vLLM builds them once per step already).
 
-use offload_core::{BlockHash, BlockKey, LazyCandidate, ScheduleKind, ScheduledRequest, StepPlan};
+use offload_core::{ScheduleKind, ScheduledRequest, StepPlan};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping, PySet, PyString, PyTuple};
 
-use crate::convert::{block_id, block_ids, ids_to_bytes, type_name, MappedHashes};
+use crate::convert::{block_ids, hash_bytes, ids_to_bytes, type_name, MappedHashes};
 use crate::errors::INVALID_INPUT_ERROR;
 
 /// One step's lists, in the order of `Planner.schedule`'s request arguments.
@@ -105,14 +105,24 @@ pub(crate) type LoadTuple<'py> = (
 );
 /// `(id, gpu_blocks, cpu_blocks, req_ids)`; block lists are little-endian u32 bytes.
 pub(crate) type StoreTuple<'py> = (u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Vec<String>);
-/// `(loads, store, held_gpu_blocks, store_sources, store_groups)`; `store_sources` is
-/// empty unless events are on (see `StoreJob::sources`), `store_groups` unless the planner
-/// has several KV-cache groups (see `StoreJob::groups`).
+/// With events on, what a store's KV events need, pairwise with its blocks: the hash
+/// each is stored under (16 bytes, as `take_events` names it), its source (request
+/// index in `req_ids` and block position; `None` for a lazy block) and, for a lazy
+/// block, vLLM's own hash (`BlockHashWithGroupId`; the list is empty when no block is
+/// lazy).
+pub(crate) type StoreEvents<'py> = (
+    Vec<Bound<'py, PyBytes>>,
+    Vec<Option<(u32, u32)>>,
+    Vec<Option<Py<PyAny>>>,
+);
+/// `(loads, store, held_gpu_blocks, store_events, store_groups)`; `store_events` is
+/// `None` unless events are on and there is a store, `store_groups` empty unless the
+/// planner has several KV-cache groups (see `StoreJob::groups`).
 pub(crate) type StepTuple<'py> = (
     Vec<LoadTuple<'py>>,
     Option<StoreTuple<'py>>,
     Vec<u32>,
-    Vec<Option<(u32, u32)>>,
+    Option<StoreEvents<'py>>,
     Vec<u32>,
 );
 
@@ -179,57 +189,13 @@ pub(crate) fn same_len(what: &str, lens: &[usize]) -> PyResult<()> {
     Err(INVALID_INPUT_ERROR.err(format!("schedule: {what} differ in length {lens:?}")))
 }
 
-/// Lazy candidates: parallel lists of GPU block ids and their hashes (`bytes`, with
-/// `strip` trailing bytes that are not part of the hash).
-pub(crate) fn lazy_candidates(
-    ids: Option<&Bound<'_, PyList>>,
-    hashes: Option<&Bound<'_, PyList>>,
-    strip: usize,
-) -> PyResult<Vec<LazyCandidate>> {
-    let (Some(ids), Some(hashes)) = (ids, hashes) else {
-        return Ok(Vec::new());
-    };
-    same_len(
-        "lazy_gpu_block_ids and lazy_block_hashes",
-        &[ids.len(), hashes.len()],
-    )?;
-    let mut out = Vec::with_capacity(ids.len());
-    for (i, (id, h)) in ids.iter().zip(hashes.iter()).enumerate() {
-        let key = candidate_key(&h, strip, || format!("lazy_block_hashes[{i}]"))?;
-        out.push((block_id(&id, "lazy_gpu_block_ids")?, key));
-    }
-    Ok(out)
-}
-
-/// The key of a lazy candidate's hash: vLLM's `BlockHashWithGroupId`, `bytes` whose last
-/// `strip` bytes are the KV-cache group id (4 bytes, big-endian; group 0 without them).
-/// `what` names the value in an error.
-pub(crate) fn candidate_key(
-    h: &Bound<'_, PyAny>,
-    strip: usize,
-    what: impl Fn() -> String,
-) -> PyResult<BlockKey> {
-    let b = h
-        .cast::<PyBytes>()
-        .map_err(|_| {
-            INVALID_INPUT_ERROR.err(format!(
-                "{}: block hash must be bytes, got {}",
-                what(),
-                type_name(h)
-            ))
-        })?
-        .as_bytes();
-    let hash = BlockHash::from_bytes(&b[..b.len().saturating_sub(strip)])
-        .ok_or_else(|| INVALID_INPUT_ERROR.err(format!("{}: empty block hash", what())))?;
-    let group = b
-        .len()
-        .checked_sub(strip)
-        .and_then(|at| <[u8; 4]>::try_from(&b[at..]).ok())
-        .map_or(0, u32::from_be_bytes);
-    Ok(BlockKey::new(group, hash))
-}
-
-pub(crate) fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
+/// The plan for Python; `lazy_hashes`: vLLM's hash of each lazy block of the store
+/// (see [`StoreEvents`]).
+pub(crate) fn step_to_py(
+    py: Python<'_>,
+    plan: StepPlan,
+    lazy_hashes: Vec<Option<Py<PyAny>>>,
+) -> StepTuple<'_> {
     let loads = plan
         .loads
         .into_iter()
@@ -244,10 +210,13 @@ pub(crate) fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
             )
         })
         .collect();
-    let mut sources = Vec::new();
+    let mut events = None;
     let mut groups = Vec::new();
     let store = plan.store.map(|s| {
-        sources = s.sources;
+        if !s.hashes.is_empty() {
+            let keys = s.hashes.into_iter().map(|h| hash_bytes(py, h)).collect();
+            events = Some((keys, s.sources, lazy_hashes));
+        }
         groups = s.groups;
         (
             s.id,
@@ -256,15 +225,19 @@ pub(crate) fn step_to_py(py: Python<'_>, plan: StepPlan) -> StepTuple<'_> {
             s.req_ids,
         )
     });
-    (loads, store, plan.held_gpu_blocks, sources, groups)
+    (loads, store, plan.held_gpu_blocks, events, groups)
 }
 
 /// [`step_to_py`], or `None` for a step that moves and holds nothing: most steps, and
 /// vLLM's garbage collector tends to run at the allocation that follows its own scheduler
 /// output, so those steps allocate nothing.
-pub(crate) fn step_or_none(py: Python<'_>, plan: StepPlan) -> Option<StepTuple<'_>> {
+pub(crate) fn step_or_none(
+    py: Python<'_>,
+    plan: StepPlan,
+    lazy_hashes: Vec<Option<Py<PyAny>>>,
+) -> Option<StepTuple<'_>> {
     if plan.is_empty() && plan.held_gpu_blocks.is_empty() {
         return None;
     }
-    Some(step_to_py(py, plan))
+    Some(step_to_py(py, plan, lazy_hashes))
 }
