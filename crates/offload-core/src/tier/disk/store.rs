@@ -17,8 +17,9 @@ use super::index::{Placement, SlotIndex};
 use super::layout::{key_digest, Geometry};
 use super::options::{DiskOptions, DISABLE_AFTER_ERRORS};
 use super::recovery::{matches_header, rebuild};
+use super::slot_io::Source;
 use super::stats::{DiskSnapshot, DiskStats};
-use crate::tier::{RemoteKey, RemoteStore, TierError};
+use crate::tier::{RemoteKey, RemoteStore, TierError, ValueParts};
 
 pub(super) struct Shared {
     pub(super) files: FileSet,
@@ -36,6 +37,9 @@ pub(super) struct Shared {
     /// Slot-sized aligned buffers, reused: allocating and zeroing one per I/O costs as
     /// much as a fast device's read.
     pub(super) buffers: Mutex<Vec<AlignedBuf>>,
+    /// Values `get` handed out and the caller gave back (`recycle`), reused for the next
+    /// reads: a fresh allocation per block takes a page fault per 4 KiB as it is filled.
+    pub(super) values: Mutex<Vec<Vec<u8>>>,
 }
 
 impl Drop for Shared {
@@ -150,6 +154,7 @@ impl DiskStore {
                 disabled: AtomicBool::new(false),
                 seq: AtomicU64::new(seq),
                 buffers: Mutex::new(Vec::new()),
+                values: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -233,77 +238,9 @@ impl DiskStore {
     fn update_resident(&self, index: &SlotIndex) {
         DiskStats::set(&self.shared.stats.resident_blocks, index.resident());
     }
-}
-
-impl RemoteStore for DiskStore {
-    fn exists(&mut self, keys: &[RemoteKey]) -> Vec<Result<bool, TierError>> {
-        if self.is_disabled() {
-            return keys.iter().map(|_| Ok(false)).collect();
-        }
-        let digests: Vec<u128> = keys
-            .iter()
-            .map(|k| key_digest(k.as_str().as_bytes()))
-            .collect();
-        let mut found = Vec::new();
-        self.index().find_many(&digests, &mut found);
-        found.into_iter().map(|slot| Ok(slot.is_some())).collect()
-    }
-
-    fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
-        if self.is_disabled() {
-            return keys.iter().map(|_| Ok(None)).collect();
-        }
-        let started = Instant::now();
-        let wanted: Vec<(u128, Option<u64>)> = {
-            let mut index = self.index();
-            keys.iter()
-                .map(|k| {
-                    let d = key_digest(k.as_str().as_bytes());
-                    (d, index.begin_read(d))
-                })
-                .collect()
-        };
-        let reads = self.parallel(&wanted, |&(_, slot)| slot.map(|s| self.read_slot(s)));
-        let s = &self.shared;
-        let mut index = self.index();
-        let mut out = Vec::with_capacity(keys.len());
-        for (&(digest, slot), read) in wanted.iter().zip(reads) {
-            let Some(slot) = slot else {
-                out.push(Ok(None));
-                continue;
-            };
-            index.end_read(slot);
-            match read {
-                Some(Ok(Some(value))) => {
-                    self.outcome(Ok(()));
-                    DiskStats::add(&s.stats.reads, 1);
-                    DiskStats::add(&s.stats.bytes_read, s.geo.slot_bytes);
-                    out.push(Ok(Some(value)));
-                }
-                Some(Ok(None)) => {
-                    DiskStats::add(&s.stats.reads, 1);
-                    DiskStats::add(&s.stats.checksum_failures, 1);
-                    index.drop_slot(slot, digest);
-                    self.clear_entry(slot);
-                    out.push(Ok(None));
-                }
-                Some(Err(kind)) => {
-                    self.outcome(Err(kind));
-                    out.push(Err(TierError::Store {
-                        op: "get",
-                        reason: format!("disk read failed ({})", kind.name()),
-                    }));
-                }
-                None => out.push(Ok(None)),
-            }
-        }
-        self.update_resident(&index);
-        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-        DiskStats::add(&s.stats.read_micros, micros);
-        out
-    }
-
-    fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>> {
+    /// Writes each value under its key, encoded straight into the I/O buffer when given
+    /// as parts (`put_parts`), copied there when encoded already (`put`).
+    fn write_batch(&self, entries: &[(&RemoteKey, Source<'_>)]) -> Vec<Result<(), TierError>> {
         if self.is_disabled() {
             return entries.iter().map(|_| Err(self.disabled_error())).collect();
         }
@@ -378,6 +315,93 @@ impl RemoteStore for DiskStore {
         let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         DiskStats::add(&s.stats.write_micros, micros);
         out
+    }
+}
+
+impl RemoteStore for DiskStore {
+    fn exists(&mut self, keys: &[RemoteKey]) -> Vec<Result<bool, TierError>> {
+        if self.is_disabled() {
+            return keys.iter().map(|_| Ok(false)).collect();
+        }
+        let digests: Vec<u128> = keys
+            .iter()
+            .map(|k| key_digest(k.as_str().as_bytes()))
+            .collect();
+        let mut found = Vec::new();
+        self.index().find_many(&digests, &mut found);
+        found.into_iter().map(|slot| Ok(slot.is_some())).collect()
+    }
+
+    fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
+        if self.is_disabled() {
+            return keys.iter().map(|_| Ok(None)).collect();
+        }
+        let started = Instant::now();
+        let wanted: Vec<(u128, Option<u64>)> = {
+            let mut index = self.index();
+            keys.iter()
+                .map(|k| {
+                    let d = key_digest(k.as_str().as_bytes());
+                    (d, index.begin_read(d))
+                })
+                .collect()
+        };
+        let reads = self.parallel(&wanted, |&(_, slot)| slot.map(|s| self.read_slot(s)));
+        let s = &self.shared;
+        let mut index = self.index();
+        let mut out = Vec::with_capacity(keys.len());
+        for (&(digest, slot), read) in wanted.iter().zip(reads) {
+            let Some(slot) = slot else {
+                out.push(Ok(None));
+                continue;
+            };
+            index.end_read(slot);
+            match read {
+                Some(Ok(Some(value))) => {
+                    self.outcome(Ok(()));
+                    DiskStats::add(&s.stats.reads, 1);
+                    DiskStats::add(&s.stats.bytes_read, s.geo.slot_bytes);
+                    out.push(Ok(Some(value)));
+                }
+                Some(Ok(None)) => {
+                    DiskStats::add(&s.stats.reads, 1);
+                    DiskStats::add(&s.stats.checksum_failures, 1);
+                    index.drop_slot(slot, digest);
+                    self.clear_entry(slot);
+                    out.push(Ok(None));
+                }
+                Some(Err(kind)) => {
+                    self.outcome(Err(kind));
+                    out.push(Err(TierError::Store {
+                        op: "get",
+                        reason: format!("disk read failed ({})", kind.name()),
+                    }));
+                }
+                None => out.push(Ok(None)),
+            }
+        }
+        self.update_resident(&index);
+        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        DiskStats::add(&s.stats.read_micros, micros);
+        out
+    }
+
+    fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>> {
+        let sources: Vec<(&RemoteKey, Source<'_>)> = entries
+            .iter()
+            .map(|(k, v)| (k, Source::Encoded(v)))
+            .collect();
+        self.write_batch(&sources)
+    }
+
+    fn put_parts(&mut self, entries: &[(RemoteKey, ValueParts<'_>)]) -> Vec<Result<(), TierError>> {
+        let sources: Vec<(&RemoteKey, Source<'_>)> =
+            entries.iter().map(|(k, v)| (k, Source::Parts(v))).collect();
+        self.write_batch(&sources)
+    }
+
+    fn recycle(&mut self, value: Vec<u8>) {
+        self.keep_value(value);
     }
 
     fn discard(&mut self, keys: &[RemoteKey]) {
