@@ -238,6 +238,7 @@ impl DiskStore {
     fn update_resident(&self, index: &SlotIndex) {
         DiskStats::set(&self.shared.stats.resident_blocks, index.resident());
     }
+
     /// Writes each value under its key, encoded straight into the I/O buffer when given
     /// as parts (`put_parts`), copied there when encoded already (`put`).
     fn write_batch(&self, entries: &[(&RemoteKey, Source<'_>)]) -> Vec<Result<(), TierError>> {
