@@ -32,6 +32,7 @@ pub mod config;
 mod error;
 mod file;
 mod index;
+mod io_pool;
 mod layout;
 mod options;
 mod reader;

@@ -2,7 +2,7 @@
 //! entry, erasing an entry, the reused buffers (aligned I/O buffers, and the values
 //! reads hand out), and a batch's I/Os spread over the store's threads.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
 
 use super::error::IoKind;
@@ -198,41 +198,13 @@ impl DiskStore {
             .write_all_at(&[0u8; ENTRY_BYTES], s.geo.entry_offset(slot));
     }
 
-    /// Runs `work` on every item, on up to `io_threads` threads, the results in the
-    /// items' order. Each thread takes the next item not yet taken, so a slow I/O holds
-    /// up only itself and the device's queue stays full until the batch's last items (a
-    /// fixed share per thread leaves the others idle behind the slowest).
+    /// Runs `work` on every item on the store's I/O threads (see [`IoPool::run`](super::io_pool::IoPool::run)), the
+    /// results in the items' order.
     pub(super) fn parallel<T: Sync, R: Send>(
         &self,
         items: &[T],
         work: impl Fn(&T) -> R + Sync,
     ) -> Vec<R> {
-        let threads = self.shared.io_threads.min(items.len());
-        if threads <= 1 {
-            return items.iter().map(&work).collect();
-        }
-        let next = AtomicUsize::new(0);
-        let take = || {
-            let mut done = Vec::new();
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(item) = items.get(i) else {
-                    return done;
-                };
-                done.push((i, work(item)));
-            }
-        };
-        let mut out: Vec<Option<R>> = std::iter::repeat_with(|| None).take(items.len()).collect();
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..threads).map(|_| scope.spawn(take)).collect();
-            for h in handles {
-                let done = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-                for (i, r) in done {
-                    out[i] = Some(r);
-                }
-            }
-        });
-        // Every index below the length was taken by exactly one thread.
-        out.into_iter().flatten().collect()
+        self.shared.io.run(items, work)
     }
 }

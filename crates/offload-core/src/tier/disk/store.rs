@@ -14,6 +14,7 @@ use std::time::Instant;
 use super::error::{DiskError, IoKind};
 use super::file::{self, AlignedBuf, DataFile, DiskFaults, FileSet};
 use super::index::{Placement, SlotIndex};
+use super::io_pool::IoPool;
 use super::layout::{key_digest, Geometry};
 use super::options::{DiskOptions, DISABLE_AFTER_ERRORS};
 use super::recovery::{matches_header, rebuild};
@@ -31,6 +32,8 @@ pub(super) struct Shared {
     pub(super) faults: DiskFaults,
     pub(super) persist: bool,
     pub(super) io_threads: usize,
+    /// The threads a batch's I/Os run on, started once.
+    pub(super) io: IoPool,
     pub(super) consecutive_errors: AtomicU64,
     pub(super) disabled: AtomicBool,
     pub(super) seq: AtomicU64,
@@ -150,6 +153,7 @@ impl DiskStore {
                 faults: DiskFaults::new(opts.faults),
                 persist: opts.persist,
                 io_threads: opts.io_threads.max(1),
+                io: IoPool::new(opts.io_threads.max(1)),
                 consecutive_errors: AtomicU64::new(0),
                 disabled: AtomicBool::new(false),
                 seq: AtomicU64::new(seq),
