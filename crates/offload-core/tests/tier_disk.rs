@@ -188,6 +188,66 @@ fn corrupted_and_truncated_blocks_are_counted_misses_and_free_their_slot() {
 }
 
 #[test]
+fn values_encoded_into_io_buffers_and_reused_read_buffers_serve_exact_bytes_only() {
+    // Writes encode straight into the store's buffers (`put_parts`) and reads reuse the
+    // values callers give back (`recycle`): the bytes on disk are `value::encode`'s, and
+    // a reused buffer that held another block, or garbage, never reaches a caller.
+    for page_cache in [false, true] {
+        let s = Scratch::new("reuse");
+        let mut o = options(&s.rank_path(), ODD, 16);
+        o.use_page_cache = page_cache;
+        let mut store = DiskStore::open(&o).unwrap();
+        let mut t = tier(&store);
+        // In parts, cut across the tier's copy pieces, as a block's layer regions come.
+        let blocks: Vec<_> = (0..4u32)
+            .map(|i| {
+                let b = common::disk::block(i, ODD);
+                (
+                    hash(i),
+                    vec![b[..7].to_vec(), b[7..4099].to_vec(), b[4099..].to_vec()],
+                )
+            })
+            .collect();
+        assert_eq!(t.store(&blocks).unwrap(), 4);
+        let encoded = |i: u32| {
+            offload_core::tier::value::encode(FP, &hash(i), &[&common::disk::block(i, ODD)])
+        };
+        let got = store.get(&[key(0), key(1)]);
+        let [Ok(Some(v0)), Ok(Some(v1))] = &got[..] else {
+            panic!("{got:?}");
+        };
+        assert_eq!(
+            (v0, v1),
+            (&encoded(0), &encoded(1)),
+            "page_cache {page_cache}"
+        );
+        // Given back: a valid value of block 1, and garbage.
+        store.recycle(v1.clone());
+        store.recycle(vec![0x5a; 3 * v0.len()]);
+        let data = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.data_path())
+            .unwrap();
+        data.write_all_at(&[0xff; 3], store.offset_of(&key(2)).unwrap() + 3000)
+            .unwrap();
+        for _ in 0..3 {
+            store.recycle(vec![0x11; v0.len()]);
+        }
+        assert_eq!(
+            fetch_blocks(&mut t, &[2], ODD),
+            [None],
+            "the bad block is a miss in a reused buffer"
+        );
+        assert_eq!(
+            fetch_blocks(&mut t, &[3, 0, 1], ODD),
+            [Some(true); 3],
+            "page_cache {page_cache}"
+        );
+        assert_eq!(store.snapshot().checksum_failures, 1);
+    }
+}
+
+#[test]
 fn a_half_written_block_is_never_served_after_restart() {
     let s = Scratch::new("torn");
     let mut o = options(&s.rank_path(), ODD, 16);
@@ -316,7 +376,15 @@ fn disk_in_front_of_a_remote_store() {
     let stacked = StackedStore::new(Box::new(store.clone()), Box::new(remote.clone()));
     let mut t = offload_core::tier::RemoteTier::new(Box::new(stacked), keys, stats);
     assert_eq!(store_blocks(&mut t, 0..4, ODD), 4);
-    assert!(remote.get_raw(&key(3)).is_some(), "written to both");
+    assert_eq!(
+        remote.get_raw(&key(3)),
+        Some(offload_core::tier::value::encode(
+            FP,
+            &hash(3),
+            &[&common::disk::block(3, ODD)]
+        )),
+        "written to both, the remote store's copy encoded by the default `put_parts`"
+    );
     assert_eq!(store.snapshot().writes, 4);
     // Block 9 only remote: found there after the disk missed.
     let mut only_remote = tier(&store);

@@ -158,13 +158,17 @@ pub(crate) fn shuffled(n: u64, seed: u64) -> Vec<u64> {
     v
 }
 
-/// GB/s of payload read through the tier (fetch: read, verify), `batch` blocks a fetch.
+/// GB/s of payload read through the tier (fetch: read, verify), `batch` blocks a fetch,
+/// each block's buffer given back once read, as the worker does after its copy.
 pub(crate) fn tier_read(t: &mut RemoteTier, order: &[u64], block: usize, batch: usize) -> f64 {
     let start = Instant::now();
     for chunk in order.chunks(batch) {
         let hashes: Vec<[u8; 16]> = chunk.iter().map(|&i| hash(i)).collect();
         let got = t.fetch(&hashes, block).expect("fetch");
         assert!(got.iter().all(Option::is_some), "a block missed");
+        for b in got.into_iter().flatten() {
+            t.recycle(b);
+        }
     }
     (order.len() * block) as f64 / start.elapsed().as_secs_f64() / 1e9
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::key::KeySpace;
 use super::stats::{bump, TierStats};
-use super::value::{decode, decode_verified, encode};
+use super::value::{decode, decode_verified, ValueParts};
 use super::{RemoteKey, RemoteStore, TierError};
 
 /// A verified block as fetched: the stored value and where its payload lies in it, so the
@@ -168,6 +168,12 @@ impl RemoteTier {
         Ok(out)
     }
 
+    /// Gives a fetched block's buffer back to the store once its payload has been copied
+    /// where it goes, so the next fetch reuses it (see [`RemoteStore::recycle`]).
+    pub fn recycle(&mut self, block: FetchedBlock) {
+        self.store.recycle(block.value);
+    }
+
     /// Writes blocks in one round trip; returns how many were written. Each block is its
     /// hash and its bytes in parts (one slice per layer region, concatenated). Errors as
     /// for [`Self::probe_chain`].
@@ -185,9 +191,9 @@ impl RemoteTier {
             let key = self.keys.key(hash.as_ref())?;
             let parts: Vec<&[u8]> = parts.iter().map(AsRef::as_ref).collect();
             sizes.push(parts.iter().map(|p| p.len() as u64).sum::<u64>());
-            entries.push((key, encode(fp, hash.as_ref(), &parts)));
+            entries.push((key, ValueParts::new(fp, hash.as_ref(), parts)));
         }
-        let answers = self.store.put(&entries);
+        let answers = self.store.put_parts(&entries);
         bump(&self.stats.write_round_trips, 1);
         check_count("put", answers.len(), entries.len())?;
         let mut written = 0;

@@ -78,7 +78,7 @@ pub use probe::ProbeQueue;
 pub use redis::{redact_url, RedisStore};
 pub use stack::StackedStore;
 pub use stats::{TierSnapshot, TierStats};
-pub use value::ValueError;
+pub use value::{ValueError, ValueParts};
 pub use worker::{FetchRequest, WorkerTier};
 pub use writer::WriteBehind;
 
@@ -97,6 +97,24 @@ pub trait RemoteStore: Send {
 
     /// Writes each value under its key, replacing what was there.
     fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>>;
+
+    /// Writes each value, given as its parts, under its key. A store that writes through
+    /// buffers of its own (the disk tier) encodes each value straight into them; the
+    /// default encodes each into a `Vec` and calls [`Self::put`].
+    fn put_parts(&mut self, entries: &[(RemoteKey, ValueParts<'_>)]) -> Vec<Result<(), TierError>> {
+        let encoded: Vec<(RemoteKey, Vec<u8>)> = entries
+            .iter()
+            .map(|(k, v)| (k.clone(), v.encode()))
+            .collect();
+        self.put(&encoded)
+    }
+
+    /// Takes back a value [`Self::get`] returned once its bytes are no longer needed, so a
+    /// store that keeps read buffers (the disk tier) reuses the allocation instead of
+    /// taking fresh pages for the next read. The default drops it.
+    fn recycle(&mut self, value: Vec<u8>) {
+        drop(value);
+    }
 
     /// Told that the values under `keys` failed verification: a store that can free their
     /// space (the disk tier) does. The default keeps them (a shared store's values may be

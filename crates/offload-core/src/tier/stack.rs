@@ -2,7 +2,7 @@
 //! planner's one lookup path continues a hit from CPU to disk to the remote store without
 //! knowing there are two.
 
-use super::{RemoteKey, RemoteStore, TierError};
+use super::{RemoteKey, RemoteStore, TierError, ValueParts};
 
 /// `near` in front of `far`: reads try `near` first, writes go to both.
 pub struct StackedStore {
@@ -66,13 +66,19 @@ impl RemoteStore for StackedStore {
     fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>> {
         let near = self.near.put(entries);
         let far = self.far.put(entries);
-        if near.len() != entries.len() {
-            return far;
-        }
-        if far.len() != entries.len() {
-            return near;
-        }
-        near.into_iter().zip(far).map(|(n, f)| n.or(f)).collect()
+        either_took(near, far, entries.len())
+    }
+
+    /// As [`Self::put`], each store encoding the parts its own way.
+    fn put_parts(&mut self, entries: &[(RemoteKey, ValueParts<'_>)]) -> Vec<Result<(), TierError>> {
+        let near = self.near.put_parts(entries);
+        let far = self.far.put_parts(entries);
+        either_took(near, far, entries.len())
+    }
+
+    /// To the near store, the one that reads into buffers of its own.
+    fn recycle(&mut self, value: Vec<u8>) {
+        self.near.recycle(value);
     }
 
     fn discard(&mut self, keys: &[RemoteKey]) {
@@ -83,4 +89,20 @@ impl RemoteStore for StackedStore {
     fn describe(&self) -> String {
         format!("{} then {}", self.near.describe(), self.far.describe())
     }
+}
+
+/// Per block, written when either store took it; a store that skipped blocks answered
+/// nothing usable.
+fn either_took(
+    near: Vec<Result<(), TierError>>,
+    far: Vec<Result<(), TierError>>,
+    blocks: usize,
+) -> Vec<Result<(), TierError>> {
+    if near.len() != blocks {
+        return far;
+    }
+    if far.len() != blocks {
+        return near;
+    }
+    near.into_iter().zip(far).map(|(n, f)| n.or(f)).collect()
 }

@@ -88,22 +88,91 @@ pub fn encoded_len(hash_len: usize, payload_len: usize) -> usize {
 /// A hash longer than a [`KeySpace`](super::KeySpace) accepts is cut to 64 bytes, so
 /// [`decode`] never matches it.
 pub fn encode(fingerprint: LayoutFingerprint, hash: &[u8], payload: &[&[u8]]) -> Vec<u8> {
-    let hash = &hash[..hash.len().min(MAX_HASH_BYTES)];
-    let payload_len: usize = payload.iter().map(|p| p.len()).sum();
-    let mut out = Vec::with_capacity(FIXED_HEADER + hash.len() + payload_len + TRAILER);
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    // At most MAX_HASH_BYTES, so it fits.
-    out.extend_from_slice(&(hash.len() as u16).to_le_bytes());
-    out.extend_from_slice(&fingerprint.0.to_le_bytes());
-    out.extend_from_slice(&(payload_len as u64).to_le_bytes());
-    out.extend_from_slice(hash);
-    for p in payload {
-        out.extend_from_slice(p);
+    ValueParts::new(fingerprint, hash, payload.to_vec()).encode()
+}
+
+/// A value to store, held as its parts (header fields and the block's slices) until it is
+/// written where it goes: a store with its own I/O buffers encodes it there with
+/// [`Self::encode_into`], one pass that copies and sums, instead of into a `Vec` of its
+/// own that is then copied again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValueParts<'a> {
+    fingerprint: LayoutFingerprint,
+    hash: &'a [u8],
+    payload: Vec<&'a [u8]>,
+}
+
+impl<'a> ValueParts<'a> {
+    /// Block `hash`'s `payload` (its parts, concatenated) for a layout with `fingerprint`;
+    /// the hash is cut as [`encode`] cuts it.
+    pub fn new(fingerprint: LayoutFingerprint, hash: &'a [u8], payload: Vec<&'a [u8]>) -> Self {
+        Self {
+            fingerprint,
+            hash: &hash[..hash.len().min(MAX_HASH_BYTES)],
+            payload,
+        }
     }
-    let sum = checksum(CHECKSUM_SEED, &[&out]);
-    out.extend_from_slice(&sum.to_le_bytes());
-    out
+
+    /// The block hash the value will carry (cut as [`encode`] cuts it).
+    pub(crate) fn hash(&self) -> &'a [u8] {
+        self.hash
+    }
+
+    fn payload_len(&self) -> usize {
+        self.payload.iter().map(|p| p.len()).sum()
+    }
+
+    /// Bytes of the stored form.
+    pub fn len(&self) -> usize {
+        encoded_len(self.hash.len(), self.payload_len())
+    }
+
+    /// Never: a value has at least its header and trailer.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The stored form, in a `Vec` of its own.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.len());
+        self.emit(|piece| out.extend_from_slice(piece));
+        out
+    }
+
+    /// Writes the stored form into the first [`Self::len`] bytes of `out` and returns its
+    /// checksum (the trailer); `None`, writing nothing, when `out` is shorter.
+    pub fn encode_into(&self, out: &mut [u8]) -> Option<u64> {
+        let out = out.get_mut(..self.len())?;
+        let mut at = 0;
+        Some(self.emit(|piece| {
+            out[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+        }))
+    }
+
+    /// Hands the stored form to `put` in order, a piece at a time, each piece summed right
+    /// after it is copied (while it is in cache); returns the checksum.
+    fn emit(&self, mut put: impl FnMut(&[u8])) -> u64 {
+        let mut header = [0u8; FIXED_HEADER + MAX_HASH_BYTES];
+        header[..4].copy_from_slice(MAGIC);
+        header[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        // At most MAX_HASH_BYTES, so it fits.
+        header[6..8].copy_from_slice(&(self.hash.len() as u16).to_le_bytes());
+        header[8..24].copy_from_slice(&self.fingerprint.0.to_le_bytes());
+        header[24..32].copy_from_slice(&(self.payload_len() as u64).to_le_bytes());
+        let header_len = FIXED_HEADER + self.hash.len();
+        header[FIXED_HEADER..header_len].copy_from_slice(self.hash);
+        let mut sum = Checksum::new(CHECKSUM_SEED);
+        for piece in std::iter::once(&header[..header_len])
+            .chain(self.payload.iter().flat_map(|p| p.chunks(VERIFY_PIECE)))
+        {
+            put(piece);
+            sum.update(piece);
+        }
+        let sum = sum.finish();
+        put(&sum.to_le_bytes());
+        sum
+    }
 }
 
 /// The payload of `value` if it is block `hash` of a layout with `fingerprint` and holds
@@ -129,8 +198,8 @@ pub fn checksum_ok(value: &[u8]) -> bool {
     checksum(CHECKSUM_SEED, &[&value[..body_end]]) == u64::from_le_bytes(sum)
 }
 
-/// Bytes summed before they are copied, in [`copy_verified`]: small enough that the
-/// piece is still in the core's cache when the copy reads it.
+/// Bytes summed and copied at a time, in [`copy_verified`] and [`ValueParts`]' encoding:
+/// small enough that the piece is still in the core's cache when the second pass reads it.
 const VERIFY_PIECE: usize = 16 << 10;
 
 /// A copy of `value` if its trailer is the checksum of the bytes before it.
@@ -139,17 +208,29 @@ const VERIFY_PIECE: usize = 16 << 10;
 /// costs little more than the copy out of an I/O buffer a store makes anyway (a separate
 /// checksum pass reads the whole value from memory once more).
 pub fn copy_verified(value: &[u8]) -> Option<Vec<u8>> {
-    let body_end = value.len().checked_sub(TRAILER)?;
+    let mut out = Vec::new();
+    copy_verified_into(value, &mut out).then_some(out)
+}
+
+/// [`copy_verified`] into `out` (its old contents replaced, its allocation reused, so a
+/// store that keeps buffers takes no fresh pages per value); whether the checksum held.
+/// On `false` `out` holds bytes that failed it: the caller must not hand them out.
+pub fn copy_verified_into(value: &[u8], out: &mut Vec<u8>) -> bool {
+    out.clear();
+    let Some(body_end) = value.len().checked_sub(TRAILER) else {
+        return false;
+    };
     let (body, trailer) = value.split_at(body_end);
+    out.reserve(value.len());
     let mut sum = Checksum::new(CHECKSUM_SEED);
-    let mut out = Vec::with_capacity(value.len());
     for piece in body.chunks(VERIFY_PIECE) {
         sum.update(piece);
         out.extend_from_slice(piece);
     }
-    let expected = u64::from_le_bytes(trailer.try_into().ok()?);
     out.extend_from_slice(trailer);
-    (sum.finish() == expected).then_some(out)
+    let mut expected = [0u8; TRAILER];
+    expected.copy_from_slice(trailer);
+    sum.finish() == u64::from_le_bytes(expected)
 }
 
 /// [`decode`] of a value whose checksum the store already verified with [`checksum_ok`]:
@@ -283,6 +364,41 @@ mod tests {
         }
         assert_eq!(copy_verified(&v[..v.len() - 1]), None);
         assert_eq!(copy_verified(&v[..7]), None);
+    }
+
+    #[test]
+    fn encode_into_is_encode_and_returns_the_trailer() {
+        let b: Vec<u8> = (0..VERIFY_PIECE as u32 + 333)
+            .map(|i| (i * 3) as u8)
+            .collect();
+        let parts = ValueParts::new(
+            FP,
+            HASH,
+            vec![&b[..5], &b[5..VERIFY_PIECE + 7], &b[VERIFY_PIECE + 7..]],
+        );
+        let v = encode(FP, HASH, &[&b]);
+        assert_eq!(parts.encode(), v);
+        assert_eq!(parts.len(), v.len());
+        // A reused buffer: longer than the value and dirty; its tail is left alone.
+        let mut buf = vec![0xee; v.len() + 100];
+        let sum = parts.encode_into(&mut buf).unwrap();
+        assert_eq!(&buf[..v.len()], &v[..]);
+        assert!(buf[v.len()..].iter().all(|&x| x == 0xee));
+        assert_eq!(sum.to_le_bytes(), v[v.len() - 8..]);
+        assert!(parts.encode_into(&mut buf[..v.len() - 1]).is_none());
+    }
+
+    #[test]
+    fn copy_verified_into_replaces_a_dirty_buffer() {
+        let b = block();
+        let v = encode(FP, HASH, &[&b]);
+        let mut out = vec![0xaa; 3 * v.len()];
+        assert!(copy_verified_into(&v, &mut out));
+        assert_eq!(out, v);
+        let mut c = v.clone();
+        c[40] ^= 1;
+        assert!(!copy_verified_into(&c, &mut out));
+        assert!(!copy_verified_into(&v[..7], &mut out));
     }
 
     #[test]

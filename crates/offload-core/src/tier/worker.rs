@@ -204,7 +204,7 @@ fn fetch_one(tier: &mut RemoteTier, blocks: &HostBlocks, req: &FetchRequest) -> 
                 return filled;
             }
         };
-        for (block, &cpu) in got.iter().zip(&req.cpu_blocks[filled..end]) {
+        for (block, &cpu) in got.into_iter().zip(&req.cpu_blocks[filled..end]) {
             let Some(block) = block else {
                 return filled;
             };
@@ -214,6 +214,7 @@ fn fetch_one(tier: &mut RemoteTier, blocks: &HostBlocks, req: &FetchRequest) -> 
                 log::warn!("kvoffload: remote fetch {}: {e}; recomputing", req.id);
                 return filled;
             }
+            tier.recycle(block);
             filled += 1;
         }
     }

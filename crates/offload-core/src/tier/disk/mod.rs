@@ -37,6 +37,7 @@ pub mod config;
 mod error;
 mod file;
 mod index;
+mod io_pool;
 mod journal;
 mod layout;
 mod options;

@@ -1,8 +1,8 @@
 //! One slot's I/O for [`DiskStore`]: reading and checking a block, writing it and its
-//! entry, erasing an entry, the reused aligned buffers, and a batch's I/Os spread over
-//! the store's threads.
+//! entry, erasing an entry, the reused buffers (aligned I/O buffers, and the values
+//! reads hand out), and a batch's I/Os spread over the store's threads.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
 
 use super::error::IoKind;
@@ -10,7 +10,49 @@ use super::file::{self, AlignedBuf};
 use super::layout::{Entry, ENTRY_BYTES};
 use super::recovery::read_entry;
 use super::store::DiskStore;
-use crate::tier::value::{checksum_ok, copy_verified};
+use crate::tier::value::{checksum_ok, copy_verified_into, stored_hash, ValueParts};
+
+/// Bytes of values kept for reuse (`recycle`): one fetch batch of 2 MiB blocks (the
+/// worker asks for 32 at a time), so a steady stream of fetches takes no fresh pages.
+const KEPT_VALUE_BYTES: usize = 64 << 20;
+
+/// A value to write, as `put` or `put_parts` gave it.
+pub(super) enum Source<'a> {
+    /// Encoded by the caller: copied into the I/O buffer.
+    Encoded(&'a [u8]),
+    /// Encoded into the I/O buffer, summed in the same pass.
+    Parts(&'a ValueParts<'a>),
+}
+
+impl Source<'_> {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Self::Encoded(v) => v.len(),
+            Self::Parts(p) => p.len(),
+        }
+    }
+
+    /// The block hash the value carries (what the KV events announce).
+    pub(super) fn hash(&self) -> Option<&[u8]> {
+        match self {
+            Self::Encoded(v) => stored_hash(v),
+            Self::Parts(p) => Some(p.hash()),
+        }
+    }
+
+    /// Writes the value into the front of `out`; its trailer (the checksum its entry
+    /// commits to), `None` when `out` is too short.
+    fn fill(&self, out: &mut [u8]) -> Option<u64> {
+        match self {
+            Self::Encoded(v) => {
+                out.get_mut(..v.len())?.copy_from_slice(v);
+                let trailer = v.get(v.len().checked_sub(8)?..)?;
+                Some(u64::from_le_bytes(trailer.try_into().ok()?))
+            }
+            Self::Parts(p) => p.encode_into(out),
+        }
+    }
+}
 
 impl DiskStore {
     /// Reads one slot and checks its bytes against the entry's commitment (length and the
@@ -21,28 +63,32 @@ impl DiskStore {
         let s = &self.shared;
         let geo = &s.geo;
         let offset = geo.data_offset(slot);
+        let len = geo.value_len as usize;
+        let mut value = self.take_value();
         if !s.data.is_direct() {
             // Buffered I/O needs no aligned buffer: the kernel copies from the page cache
-            // straight into the value handed out, and the checksum reads bytes that copy
-            // just left in the cache.
-            let mut value = vec![0u8; geo.value_len as usize];
-            s.data.read(&mut value, offset, &s.faults)?;
-            return Ok((self.committed(slot, &value) && checksum_ok(&value)).then_some(value));
+            // straight into the value handed out (a reused one, its pages already mapped),
+            // and the checksum reads bytes that copy just left in the cache.
+            value.resize(len, 0);
+            let read = s.data.read(&mut value, offset, &s.faults);
+            if read.is_ok() && self.committed(slot, &value) && checksum_ok(&value) {
+                return Ok(Some(value));
+            }
+            self.keep_value(value);
+            return read.map(|()| None);
         }
         let mut buf = self.buffer();
         let read = s.data.read(buf.as_mut_slice(), offset, &s.faults);
-        let value = &buf.as_slice()[..geo.value_len as usize];
+        let raw = &buf.as_slice()[..len];
         // `O_DIRECT` leaves the bytes in memory, not in cache: summed in the copy out of
         // the aligned buffer, not in a pass of their own.
-        let result = read.map(|()| {
-            if self.committed(slot, value) {
-                copy_verified(value)
-            } else {
-                None
-            }
-        });
+        let good = read.is_ok() && self.committed(slot, raw) && copy_verified_into(raw, &mut value);
         self.give_back(buf);
-        result
+        if good {
+            return Ok(Some(value));
+        }
+        self.keep_value(value);
+        read.map(|()| None)
     }
 
     /// Whether slot `slot`'s entry commits to `value` (its length and trailer).
@@ -82,27 +128,64 @@ impl DiskStore {
         }
     }
 
-    pub(super) fn write_slot(&self, slot: u64, digest: u128, value: &[u8]) -> Result<(), IoKind> {
+    /// A reused value (its contents stale: the caller overwrites all of them) or an empty
+    /// one.
+    fn take_value(&self) -> Vec<u8> {
+        let pooled = self
+            .shared
+            .values
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        pooled.unwrap_or_default()
+    }
+
+    /// Keeps `value`'s allocation for a later read, up to [`KEPT_VALUE_BYTES`]; one too
+    /// small to hold a value is dropped.
+    pub(super) fn keep_value(&self, value: Vec<u8>) {
+        let len = self.shared.geo.value_len as usize;
+        if value.capacity() < len {
+            return;
+        }
+        let mut pool = self
+            .shared
+            .values
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if (pool.len() + 1) * len <= KEPT_VALUE_BYTES.max(len) {
+            pool.push(value);
+        }
+    }
+
+    /// Writes `value` into slot `slot` and then its entry. The value is encoded (or
+    /// copied) straight into a reused aligned buffer: no allocation per write.
+    pub(super) fn write_slot(
+        &self,
+        slot: u64,
+        digest: u128,
+        value: &Source<'_>,
+    ) -> Result<(), IoKind> {
         let s = &self.shared;
         let geo = &s.geo;
         let mut buf = self.buffer();
         let b = buf.as_mut_slice();
-        b[..value.len()].copy_from_slice(value);
+        let len = value.len();
+        // The batch checked the length against the slot's, so it fits.
+        let Some(trailer) = value.fill(b) else {
+            self.give_back(buf);
+            return Err(IoKind::Other);
+        };
         // A reused buffer holds another block's tail: the padding is zeroed so nothing
         // of it reaches the disk.
-        b[value.len()..].fill(0);
+        b[len..].fill(0);
         let written = s
             .data
             .write(buf.as_slice(), geo.data_offset(slot), &s.faults);
         self.give_back(buf);
         written?;
-        let trailer = value
-            .get(value.len().saturating_sub(8)..)
-            .and_then(|t| <[u8; 8]>::try_from(t).ok())
-            .map_or(0, u64::from_le_bytes);
         let entry = Entry {
             digest,
-            value_len: value.len() as u64,
+            value_len: len as u64,
             seq: s.seq.fetch_add(1, Ordering::Relaxed) + 1,
             value_sum: trailer,
         };
@@ -123,41 +206,13 @@ impl DiskStore {
             .write_all_at(&[0u8; ENTRY_BYTES], s.geo.entry_offset(slot));
     }
 
-    /// Runs `work` on every item, on up to `io_threads` threads, the results in the
-    /// items' order. Each thread takes the next item not yet taken, so a slow I/O holds
-    /// up only itself and the device's queue stays full until the batch's last items (a
-    /// fixed share per thread leaves the others idle behind the slowest).
+    /// Runs `work` on every item on the store's I/O threads (see [`IoPool::run`](super::io_pool::IoPool::run)), the
+    /// results in the items' order.
     pub(super) fn parallel<T: Sync, R: Send>(
         &self,
         items: &[T],
         work: impl Fn(&T) -> R + Sync,
     ) -> Vec<R> {
-        let threads = self.shared.io_threads.min(items.len());
-        if threads <= 1 {
-            return items.iter().map(&work).collect();
-        }
-        let next = AtomicUsize::new(0);
-        let take = || {
-            let mut done = Vec::new();
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(item) = items.get(i) else {
-                    return done;
-                };
-                done.push((i, work(item)));
-            }
-        };
-        let mut out: Vec<Option<R>> = std::iter::repeat_with(|| None).take(items.len()).collect();
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..threads).map(|_| scope.spawn(take)).collect();
-            for h in handles {
-                let done = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-                for (i, r) in done {
-                    out[i] = Some(r);
-                }
-            }
-        });
-        // Every index below the length was taken by exactly one thread.
-        out.into_iter().flatten().collect()
+        self.shared.io.run(items, work)
     }
 }

@@ -14,13 +14,15 @@ use std::time::Instant;
 use super::error::{DiskError, IoKind};
 use super::file::{self, AlignedBuf, DataFile, DiskFaults, FileSet};
 use super::index::{Placement, SlotIndex};
+use super::io_pool::IoPool;
 use super::journal::{DiskChanges, Journal};
 use super::layout::{key_digest, Geometry};
 use super::options::{DiskOptions, DISABLE_AFTER_ERRORS};
 use super::recovery::{matches_header, rebuild};
+use super::slot_io::Source;
 use super::stats::{DiskSnapshot, DiskStats};
 use crate::tier::value::stored_hash;
-use crate::tier::{RemoteKey, RemoteStore, TierError};
+use crate::tier::{RemoteKey, RemoteStore, TierError, ValueParts};
 
 pub(super) struct Shared {
     pub(super) files: FileSet,
@@ -32,6 +34,8 @@ pub(super) struct Shared {
     pub(super) faults: DiskFaults,
     pub(super) persist: bool,
     pub(super) io_threads: usize,
+    /// The threads a batch's I/Os run on, started once.
+    pub(super) io: IoPool,
     pub(super) consecutive_errors: AtomicU64,
     pub(super) disabled: AtomicBool,
     pub(super) seq: AtomicU64,
@@ -40,6 +44,9 @@ pub(super) struct Shared {
     /// Slot-sized aligned buffers, reused: allocating and zeroing one per I/O costs as
     /// much as a fast device's read.
     pub(super) buffers: Mutex<Vec<AlignedBuf>>,
+    /// Values `get` handed out and the caller gave back (`recycle`), reused for the next
+    /// reads: a fresh allocation per block takes a page fault per 4 KiB as it is filled.
+    pub(super) values: Mutex<Vec<Vec<u8>>>,
 }
 
 impl Drop for Shared {
@@ -150,6 +157,7 @@ impl DiskStore {
                 faults: DiskFaults::new(opts.faults),
                 persist: opts.persist,
                 io_threads: opts.io_threads.max(1),
+                io: IoPool::new(opts.io_threads.max(1)),
                 consecutive_errors: AtomicU64::new(0),
                 disabled: AtomicBool::new(false),
                 seq: AtomicU64::new(seq),
@@ -157,6 +165,7 @@ impl DiskStore {
                     .report_changes
                     .then(|| Mutex::new(Journal::new(geo.slots))),
                 buffers: Mutex::new(Vec::new()),
+                values: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -258,6 +267,95 @@ impl DiskStore {
     fn update_resident(&self, index: &SlotIndex) {
         DiskStats::set(&self.shared.stats.resident_blocks, index.resident());
     }
+
+    /// Writes each value under its key, encoded straight into the I/O buffer when given
+    /// as parts (`put_parts`), copied there when encoded already (`put`).
+    fn write_batch(&self, entries: &[(&RemoteKey, Source<'_>)]) -> Vec<Result<(), TierError>> {
+        if self.is_disabled() {
+            return entries.iter().map(|_| Err(self.disabled_error())).collect();
+        }
+        let started = Instant::now();
+        let s = &self.shared;
+        let placed: Vec<Result<Option<(u64, u128)>, TierError>> = {
+            let mut index = self.index();
+            entries
+                .iter()
+                .map(|(k, v)| {
+                    if v.len() as u64 != s.geo.value_len {
+                        return Err(TierError::Store {
+                            op: "put",
+                            reason: format!(
+                                "value of {} bytes, the disk tier's slots take {}",
+                                v.len(),
+                                s.geo.value_len
+                            ),
+                        });
+                    }
+                    let d = key_digest(k.as_str().as_bytes());
+                    match index.place(d) {
+                        Placement::Present => {
+                            // A block a restart recovered is reported once written (or read).
+                            if let (Some(slot), Some(h)) = (index.find(d), v.hash()) {
+                                self.journal(|j| j.stored(slot, h));
+                            }
+                            Ok(None)
+                        }
+                        Placement::Write { slot, evicted } => {
+                            if evicted {
+                                DiskStats::add(&s.stats.evictions, 1);
+                                self.journal(|j| j.removed(slot));
+                            }
+                            Ok(Some((slot, d)))
+                        }
+                        Placement::Busy => {
+                            DiskStats::add(&s.stats.writes_skipped_busy, 1);
+                            Err(TierError::Store {
+                                op: "put",
+                                reason: "every slot of the block's set is busy".into(),
+                            })
+                        }
+                    }
+                })
+                .collect()
+        };
+        let jobs: Vec<(usize, u64, u128)> = placed
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p {
+                Ok(Some((slot, d))) => Some((i, *slot, *d)),
+                _ => None,
+            })
+            .collect();
+        let results = self.parallel(&jobs, |&(i, slot, d)| {
+            self.write_slot(slot, d, &entries[i].1)
+        });
+        let mut out: Vec<Result<(), TierError>> =
+            placed.into_iter().map(|p| p.map(|_| ())).collect();
+        let mut index = self.index();
+        for (&(i, slot, _), r) in jobs.iter().zip(results) {
+            index.finish_write(slot, r.is_ok());
+            self.outcome(r);
+            match r {
+                Ok(()) => {
+                    DiskStats::add(&s.stats.writes, 1);
+                    DiskStats::add(&s.stats.bytes_written, s.geo.slot_bytes);
+                    if let Some(h) = entries[i].1.hash() {
+                        self.journal(|j| j.stored(slot, h));
+                    }
+                }
+                Err(kind) => {
+                    out[i] = Err(TierError::Store {
+                        op: "put",
+                        reason: format!("disk write failed ({})", kind.name()),
+                    });
+                }
+            }
+        }
+        self.update_resident(&index);
+        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        DiskStats::add(&s.stats.write_micros, micros);
+        out
+    }
 }
 
 impl RemoteStore for DiskStore {
@@ -334,90 +432,21 @@ impl RemoteStore for DiskStore {
     }
 
     fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>> {
-        if self.is_disabled() {
-            return entries.iter().map(|_| Err(self.disabled_error())).collect();
-        }
-        let started = Instant::now();
-        let s = &self.shared;
-        let placed: Vec<Result<Option<(u64, u128)>, TierError>> = {
-            let mut index = self.index();
-            entries
-                .iter()
-                .map(|(k, v)| {
-                    if v.len() as u64 != s.geo.value_len {
-                        return Err(TierError::Store {
-                            op: "put",
-                            reason: format!(
-                                "value of {} bytes, the disk tier's slots take {}",
-                                v.len(),
-                                s.geo.value_len
-                            ),
-                        });
-                    }
-                    let d = key_digest(k.as_str().as_bytes());
-                    match index.place(d) {
-                        Placement::Present => {
-                            // A block a restart recovered is reported once written (or read).
-                            if let (Some(slot), Some(h)) = (index.find(d), stored_hash(v)) {
-                                self.journal(|j| j.stored(slot, h));
-                            }
-                            Ok(None)
-                        }
-                        Placement::Write { slot, evicted } => {
-                            if evicted {
-                                DiskStats::add(&s.stats.evictions, 1);
-                                self.journal(|j| j.removed(slot));
-                            }
-                            Ok(Some((slot, d)))
-                        }
-                        Placement::Busy => {
-                            DiskStats::add(&s.stats.writes_skipped_busy, 1);
-                            Err(TierError::Store {
-                                op: "put",
-                                reason: "every slot of the block's set is busy".into(),
-                            })
-                        }
-                    }
-                })
-                .collect()
-        };
-        let jobs: Vec<(usize, u64, u128)> = placed
+        let sources: Vec<(&RemoteKey, Source<'_>)> = entries
             .iter()
-            .enumerate()
-            .filter_map(|(i, p)| match p {
-                Ok(Some((slot, d))) => Some((i, *slot, *d)),
-                _ => None,
-            })
+            .map(|(k, v)| (k, Source::Encoded(v)))
             .collect();
-        let results = self.parallel(&jobs, |&(i, slot, d)| {
-            self.write_slot(slot, d, &entries[i].1)
-        });
-        let mut out: Vec<Result<(), TierError>> =
-            placed.into_iter().map(|p| p.map(|_| ())).collect();
-        let mut index = self.index();
-        for (&(i, slot, _), r) in jobs.iter().zip(results) {
-            index.finish_write(slot, r.is_ok());
-            self.outcome(r);
-            match r {
-                Ok(()) => {
-                    DiskStats::add(&s.stats.writes, 1);
-                    DiskStats::add(&s.stats.bytes_written, s.geo.slot_bytes);
-                    if let Some(h) = stored_hash(&entries[i].1) {
-                        self.journal(|j| j.stored(slot, h));
-                    }
-                }
-                Err(kind) => {
-                    out[i] = Err(TierError::Store {
-                        op: "put",
-                        reason: format!("disk write failed ({})", kind.name()),
-                    });
-                }
-            }
-        }
-        self.update_resident(&index);
-        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-        DiskStats::add(&s.stats.write_micros, micros);
-        out
+        self.write_batch(&sources)
+    }
+
+    fn put_parts(&mut self, entries: &[(RemoteKey, ValueParts<'_>)]) -> Vec<Result<(), TierError>> {
+        let sources: Vec<(&RemoteKey, Source<'_>)> =
+            entries.iter().map(|(k, v)| (k, Source::Parts(v))).collect();
+        self.write_batch(&sources)
+    }
+
+    fn recycle(&mut self, value: Vec<u8>) {
+        self.keep_value(value);
     }
 
     fn discard(&mut self, keys: &[RemoteKey]) {
