@@ -170,7 +170,7 @@ fn index_scale(entries: u64) -> Obj {
         .collect();
     drop(stored);
     let misses: Vec<u128> = (0..hits.len()).map(|_| rng.hash().0).collect();
-    // One at a time, and in batches of 64 as `exists` asks (sets touched ahead); per
+    // One at a time, and in batches of 64 as `exists` asks (sets prefetched ahead); per
     // second of this thread's CPU time, so per core even on a shared machine.
     let one = |keys: &[u128]| keys.iter().filter(|&&d| ix.find(d).is_some()).count();
     let batched = |keys: &[u128]| {

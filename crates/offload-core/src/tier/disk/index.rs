@@ -52,7 +52,7 @@ struct TagSet([u16; MAX_WAYS as usize]);
 
 /// How many keys ahead a batched lookup prefetches a key's tag set, and then its record,
 /// so their cache misses overlap instead of following each other.
-const LOOKAHEAD: usize = 8;
+const LOOKAHEAD: usize = 32;
 
 /// Asks the CPU to bring `item`'s cache lines (at most two: a [`TagSet`] or a record)
 /// into L1 without waiting for them.
