@@ -38,10 +38,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=str(REPO / "target"), help="where the files go")
     p.add_argument("--json", help="write the result here")
+    p.add_argument(
+        "--only-index",
+        action="store_true",
+        help="measure only the in-memory index at scale (seconds, no disk I/O) and replace "
+        "the `index` part of the existing --json file, recording the machine it ran on",
+    )
     args = p.parse_args()
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "KVOFFLOAD_BENCH_DIR": str(directory), "PYTHON": sys.executable}
+    if args.only_index:
+        env.update(KVOFFLOAD_BENCH_BLOCK_SIZES="", KVOFFLOAD_BENCH_REBUILD_BLOCKS="0")
     out = subprocess.run(
         ["cargo", "bench", "-q", "-p", "offload-core", "--bench", "disk"],
         cwd=REPO,
@@ -51,6 +59,15 @@ def main() -> None:
         check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    if args.only_index:
+        if not args.json:
+            p.error("--only-index updates the file given with --json")
+        index = {**result["index"], "machine": machine()}
+        print("index", json.dumps({k: v for k, v in index.items() if not k.startswith("runs")}))
+        whole = json.loads(Path(args.json).read_text())
+        whole["index"] = index
+        write_json(args.json, whole)
+        return
     result.pop("dir", None)
     result["filesystem"] = filesystem(directory)
     result["machine"] = machine()

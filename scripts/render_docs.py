@@ -616,17 +616,25 @@ def disk_tier_table() -> str:
     ix = d.get("index")
     if ix:
         best = max(ix["batched_hit_lookups_per_s"], ix["hit_lookups_per_s"])
+        # `benches/disk_tier.py --only-index` re-measures the index alone, on its own date.
+        when = f" (measured {ix['machine']['date']})" if "machine" in ix else ""
         goals.append(
-            f"- Scale: the in-memory index of {ix['entries']:,.0f} slots (a 10 TB tier of "
+            f"- Scale{when}: the in-memory index of {ix['entries']:,.0f} slots (a 10 TB tier of "
             f"2 MiB blocks) takes **{ix['host_bytes_per_block']:.0f} bytes per block** "
             f"(goal <= 64; every array's allocated capacity: 16-bit tags and 32-byte records "
             f"of digest, recency and state). Lookups per CPU second, one core: hits "
             f"{ix['hit_lookups_per_s'] / 1e6:.1f} M, misses {ix['miss_lookups_per_s'] / 1e6:.1f} M "
-            f"one at a time; in batches of 64 with sets touched ahead, hits "
-            f"{ix['batched_hit_lookups_per_s'] / 1e6:.1f} M, misses "
-            f"{ix['batched_miss_lookups_per_s'] / 1e6:.1f} M. "
+            f"one at a time; in batches of 64 with sets and records prefetched ahead (as "
+            f"the tier's `exists` asks), hits {ix['batched_hit_lookups_per_s'] / 1e6:.1f} M, "
+            f"misses {ix['batched_miss_lookups_per_s'] / 1e6:.1f} M. "
             + (
-                "Goal >= 50 M/s met."
+                "Goal >= 50 M/s met for batched lookups"
+                + (
+                    "."
+                    if ix["hit_lookups_per_s"] >= 50e6
+                    else "; a lone hit waits for its set and then its record, two memory "
+                    "latencies, so one at a time stays below it."
+                )
                 if best >= 50e6
                 else "Goal >= 50 M/s **not met**: at this size every lookup is a random "
                 "access to a set's tags in memory, and a hit one more to its record; the "

@@ -113,7 +113,7 @@ pub enum Placement {
     Busy,
 }
 
-/// Slots of a [`Geometry`], looked up by key digest within the digest's set. Public for
+/// Slots of a file's geometry, looked up by key digest within the digest's set. Public for
 /// its benchmark (`benches/disk.rs`); a [`DiskStore`](super::DiskStore) owns one.
 #[derive(Debug)]
 pub struct SlotIndex {
@@ -248,8 +248,8 @@ impl SlotIndex {
     }
 
     /// [`Self::find`] of every digest, into `out`, as a pipeline over each 64 digests:
-    /// a key's tag set is prefetched [`LOOKAHEAD`] keys before its tags are compared, and
-    /// the record of its first tag match is prefetched [`LOOKAHEAD`] keys before it is
+    /// a key's tag set is prefetched `LOOKAHEAD` keys before its tags are compared, and
+    /// the record of its first tag match is prefetched `LOOKAHEAD` keys before it is
     /// confirmed, so a batch's cache misses overlap instead of following each other.
     pub fn find_many(&self, digests: &[u128], out: &mut Vec<Option<u64>>) {
         out.clear();
