@@ -113,9 +113,11 @@ def pct(x: float) -> str:
 def machine_line(m: dict[str, Any]) -> str:
     gpu = m.get("gpu") or "no GPU"
     v = m.get("versions", {})
-    return (
-        f"{m['date']}, {m['cpu']} ({m['cores']} cores, {gpu}), Python {v.get('python', '?')}, "
-        f"vLLM {v.get('vllm', '?')}, torch {v.get('torch', '?')}"
+    # Benchmarks that load neither vLLM nor torch (the Rust disk bench) record neither.
+    names = {"python": "Python", "vllm": "vLLM", "torch": "torch"}
+    versions = ", ".join(f"{label} {v[k]}" for k, label in names.items() if k in v)
+    return f"{m['date']}, {m['cpu']} ({m['cores']} cores, {gpu})" + (
+        f", {versions}" if versions else ""
     )
 
 
