@@ -44,6 +44,7 @@ mod options;
 mod reader;
 mod recovery;
 mod slot_io;
+mod source;
 mod stats;
 mod store;
 

@@ -9,50 +9,13 @@ use super::error::IoKind;
 use super::file::{self, AlignedBuf};
 use super::layout::{Entry, ENTRY_BYTES};
 use super::recovery::read_entry;
+use super::source::Source;
 use super::store::DiskStore;
-use crate::tier::value::{checksum_ok, copy_verified_into, stored_hash, ValueParts};
+use crate::tier::value::{checksum_ok, copy_verified_into};
 
 /// Bytes of values kept for reuse (`recycle`): one fetch batch of 2 MiB blocks (the
 /// worker asks for 32 at a time), so a steady stream of fetches takes no fresh pages.
 const KEPT_VALUE_BYTES: usize = 64 << 20;
-
-/// A value to write, as `put` or `put_parts` gave it.
-pub(super) enum Source<'a> {
-    /// Encoded by the caller: copied into the I/O buffer.
-    Encoded(&'a [u8]),
-    /// Encoded into the I/O buffer, summed in the same pass.
-    Parts(&'a ValueParts<'a>),
-}
-
-impl Source<'_> {
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Self::Encoded(v) => v.len(),
-            Self::Parts(p) => p.len(),
-        }
-    }
-
-    /// The block hash the value carries (what the KV events announce).
-    pub(super) fn hash(&self) -> Option<&[u8]> {
-        match self {
-            Self::Encoded(v) => stored_hash(v),
-            Self::Parts(p) => Some(p.hash()),
-        }
-    }
-
-    /// Writes the value into the front of `out`; its trailer (the checksum its entry
-    /// commits to), `None` when `out` is too short.
-    fn fill(&self, out: &mut [u8]) -> Option<u64> {
-        match self {
-            Self::Encoded(v) => {
-                out.get_mut(..v.len())?.copy_from_slice(v);
-                let trailer = v.get(v.len().checked_sub(8)?..)?;
-                Some(u64::from_le_bytes(trailer.try_into().ok()?))
-            }
-            Self::Parts(p) => p.encode_into(out),
-        }
-    }
-}
 
 impl DiskStore {
     /// Reads one slot and checks its bytes against the entry's commitment (length and the

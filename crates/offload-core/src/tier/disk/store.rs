@@ -19,7 +19,7 @@ use super::journal::{DiskChanges, Journal};
 use super::layout::{key_digest, Geometry};
 use super::options::{DiskOptions, DISABLE_AFTER_ERRORS};
 use super::recovery::{matches_header, rebuild};
-use super::slot_io::Source;
+use super::source::Source;
 use super::stats::{DiskSnapshot, DiskStats};
 use crate::tier::value::stored_hash;
 use crate::tier::{RemoteKey, RemoteStore, TierError, ValueParts};
