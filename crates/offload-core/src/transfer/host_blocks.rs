@@ -78,6 +78,27 @@ impl HostBlocks {
         Ok(())
     }
 
+    /// Block `cpu_id`'s bytes as one mutable slice per region, in region order: the
+    /// destination a fetch fills in place ([`RemoteTier::fetch_into`](crate::tier::RemoteTier::fetch_into)).
+    ///
+    /// # Safety
+    /// While the slices live, no other thread may read or write block `cpu_id` and no
+    /// other slice of it may be taken (see the type's docs).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn block_parts_mut(&self, cpu_id: u32) -> Result<Vec<&mut [u8]>, BlockAccessError> {
+        self.check(cpu_id)?;
+        Ok(self
+            .parts(cpu_id)
+            .map(|(offset, len)| {
+                // SAFETY: the layout keeps `offset + len` within the mapping, which lives
+                // as long as `self` (checked at its construction, `cpu_id` checked above);
+                // regions' slices of one block never overlap, and the caller guarantees
+                // these are the only references to the block while they live.
+                unsafe { std::slice::from_raw_parts_mut(self.memory.as_mut_ptr().add(offset), len) }
+            })
+            .collect())
+    }
+
     /// Overwrites block `cpu_id` with `data`, which must be exactly one block.
     ///
     /// # Safety

@@ -128,6 +128,9 @@ pub(crate) fn classify(e: &io::Error) -> IoKind {
     }
 }
 
+/// Most iovecs one `preadv` takes on Linux (`UIO_MAXIOV`; libc does not export it).
+const IOV_MAX: usize = 1024;
+
 /// The data file: positional I/O, direct where the file system allows it.
 #[derive(Debug)]
 pub(crate) struct DataFile {
@@ -166,6 +169,87 @@ impl DataFile {
         if matches!(fault, Some(ReadFault::Corrupt)) {
             if let Some(b) = buf.get_mut(buf.len() / 2) {
                 *b ^= 0x5a;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `parts`' total length at `offset` into `parts` in order (one `preadv` per
+    /// [`IOV_MAX`] parts), with the faults [`Self::read`] injects: anything
+    /// less than every byte is an error of kind `Short`, and a corrupt read flips the byte
+    /// in the middle of the whole range.
+    pub(crate) fn read_parts(
+        &self,
+        parts: &mut [&mut [u8]],
+        offset: u64,
+        faults: &DiskFaults,
+    ) -> Result<(), IoKind> {
+        let fault = faults.read_fault();
+        if matches!(fault, Some(ReadFault::Eio)) {
+            return Err(IoKind::Io);
+        }
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut iov: Vec<libc::iovec> = parts
+            .iter_mut()
+            .filter(|p| !p.is_empty())
+            .map(|p| libc::iovec {
+                iov_base: p.as_mut_ptr().cast(),
+                iov_len: p.len(),
+            })
+            .collect();
+        let mut first = 0;
+        let mut at = offset;
+        while first < iov.len() {
+            let batch = &iov[first..iov.len().min(first + IOV_MAX)];
+            let Ok(pos) = libc::off_t::try_from(at) else {
+                return Err(IoKind::Invalid);
+            };
+            // SAFETY: every iovec points into a distinct `&mut [u8]` of `parts`, borrowed
+            // exclusively for this call, with its length; the count is at most IOV_MAX.
+            let n = unsafe {
+                libc::preadv(
+                    self.file.as_raw_fd(),
+                    batch.as_ptr(),
+                    batch.len() as libc::c_int,
+                    pos,
+                )
+            };
+            let Ok(mut n) = usize::try_from(n) else {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(classify(&e));
+            };
+            if n == 0 {
+                return Err(IoKind::Short);
+            }
+            at += n as u64;
+            // Past the iovecs the read filled; a partly filled one continues where it
+            // stopped.
+            while n > 0 && first < iov.len() {
+                let v = &mut iov[first];
+                let step = n.min(v.iov_len);
+                // SAFETY: `step` is within the iovec's part, so the pointer stays in it.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(step) }.cast();
+                v.iov_len -= step;
+                n -= step;
+                if v.iov_len == 0 {
+                    first += 1;
+                }
+            }
+        }
+        if matches!(fault, Some(ReadFault::Short)) {
+            return Err(IoKind::Short);
+        }
+        if matches!(fault, Some(ReadFault::Corrupt)) {
+            let mut mid = total / 2;
+            for p in parts.iter_mut() {
+                if let Some(b) = p.get_mut(mid) {
+                    *b ^= 0x5a;
+                    break;
+                }
+                mid -= p.len();
             }
         }
         Ok(())

@@ -42,6 +42,7 @@ mod journal;
 mod layout;
 mod options;
 mod reader;
+mod reads;
 mod recovery;
 mod slot_io;
 mod source;
