@@ -5,6 +5,10 @@
 //! read, the in-memory index at scale (lookups/s, host bytes per block) and the index
 //! rebuild at restart.
 //!
+//! The tier's reads take the worker's path: `RemoteTier::fetch_into` straight into CPU
+//! blocks laid out as the CPU tier's (one slice per layer region), so they end where
+//! Simple's loop ends, in host memory the GPU copies from.
+//!
 //! Prints one JSON object (medians of `RUNS` interleaved runs, and every run). Settings by
 //! environment: `KVOFFLOAD_BENCH_DIR` (default the temp dir: put it on the disk to
 //! measure), `KVOFFLOAD_BENCH_BLOCK_SIZES` (`65536,262144,2097152`: a 16-token block of a
@@ -23,7 +27,7 @@ use std::time::Instant;
 use common::Rng;
 use disk_support::{
     env_u64, hash, median, python_simple_loop, raw, shuffled, thread_cpu_seconds, tier, tier_read,
-    tier_write, Obj, RAW_CHUNK,
+    tier_write, CpuBlocks, Obj, RAW_CHUNK,
 };
 use offload_core::tier::disk::{DiskOptions, DiskStore, Placement, SlotIndex};
 use offload_core::tier::value::{checksum_ok, copy_verified, encode, encoded_len};
@@ -58,6 +62,7 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
     opts.use_page_cache = page_cache;
     let store = DiskStore::open(&opts).expect("open the tier");
     let mut t = tier(&store);
+    let cpu = CpuBlocks::new(block, BATCH as u32);
     let direct = !page_cache;
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); NAMES.len()];
     // The Python loop's file: n blocks, aligned as Simple lays them.
@@ -70,12 +75,12 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
         runs[0].push(raw(&raw_path, raw_len, true, direct));
         runs[1].push(tier_write(&mut t, &ids, &payload, BATCH));
         runs[2].push(raw(&raw_path, raw_len, false, direct));
-        runs[3].push(tier_read(&mut t, &ids, block, BATCH));
+        runs[3].push(tier_read(&mut t, &cpu, &ids, block, BATCH));
         let order: Vec<u64> = shuffled(n, run as u64 + 1)
             .iter()
             .map(|&i| ids[i as usize])
             .collect();
-        runs[4].push(tier_read(&mut t, &order, block, BATCH));
+        runs[4].push(tier_read(&mut t, &cpu, &order, block, BATCH));
         runs[5].push(python_simple_loop(&py_path, py_block, n, direct));
     }
     let direct_io = store.is_direct();
