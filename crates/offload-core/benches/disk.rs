@@ -13,7 +13,8 @@
 //! environment: `KVOFFLOAD_BENCH_DIR` (default the temp dir: put it on the disk to
 //! measure), `KVOFFLOAD_BENCH_BLOCK_SIZES` (`65536,262144,2097152`: a 16-token block of a
 //! small model, of a 1B-class model, of an 8B model in bf16; empty skips), `KVOFFLOAD_BENCH_BYTES`
-//! (bytes read per run and size, 256 MiB), `KVOFFLOAD_BENCH_INDEX_ENTRIES` (5000000; 0
+//! (bytes read per run and size, 256 MiB), `KVOFFLOAD_BENCH_IO_THREADS` (the tier's I/O
+//! threads, `DEFAULT_IO_THREADS`), `KVOFFLOAD_BENCH_INDEX_ENTRIES` (5000000; 0
 //! skips), `KVOFFLOAD_BENCH_REBUILD_BLOCKS` (1000000; 0 skips), `PYTHON` (python3).
 //!
 //!     cargo bench -p offload-core --bench disk > docs/benchmarks/disk_tier.json
@@ -29,7 +30,7 @@ use disk_support::{
     env_u64, hash, median, python_simple_loop, raw, shuffled, thread_cpu_seconds, tier, tier_read,
     tier_write, CpuBlocks, Obj, RAW_CHUNK,
 };
-use offload_core::tier::disk::{DiskOptions, DiskStore, Placement, SlotIndex};
+use offload_core::tier::disk::{DiskOptions, DiskStore, Placement, SlotIndex, DEFAULT_IO_THREADS};
 use offload_core::tier::value::{checksum_ok, copy_verified, encode, encoded_len};
 use offload_core::tier::LayoutFingerprint;
 
@@ -46,6 +47,16 @@ const NAMES: [&str; 6] = [
     "python_simple_read",
 ];
 
+/// The tier's I/O threads (reads in flight per batch): `KVOFFLOAD_BENCH_IO_THREADS`, the
+/// tier's default without it.
+fn io_threads() -> usize {
+    usize::try_from(env_u64(
+        "KVOFFLOAD_BENCH_IO_THREADS",
+        DEFAULT_IO_THREADS as u64,
+    ))
+    .unwrap_or(DEFAULT_IO_THREADS)
+}
+
 /// Every figure of one block size and I/O mode.
 fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f64; 6]) {
     let n = (total / block as u64).max(BATCH as u64);
@@ -60,6 +71,7 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
     // the whole capacity is used (see `layout`).
     let mut opts = DiskOptions::new(dir.join("kv.rank_0"), 4096 + 2 * n * (slot + 64), value, FP);
     opts.use_page_cache = page_cache;
+    opts.io_threads = io_threads();
     let store = DiskStore::open(&opts).expect("open the tier");
     let mut t = tier(&store);
     let cpu = CpuBlocks::new(block, BATCH as u32);
@@ -307,6 +319,7 @@ fn main() {
     let mut out = Obj::default()
         .num("runs", RUNS as f64)
         .num("batch", BATCH as f64)
+        .num("io_threads", io_threads() as f64)
         .num("bytes_per_run", total as f64)
         .text("dir", &dir.display().to_string())
         .objs("configs", configs)
