@@ -60,6 +60,9 @@ fn fills_are_byte_exact_across_slices_direct_and_buffered() {
             let tier_snap = t.stats().snapshot();
             assert_eq!((tier_snap.get_hits, tier_snap.get_misses), (6, 1));
             assert_eq!(tier_snap.bytes_read, 6 * len as u64);
+            // Destinations of another block size: through `get`, rejected as `fetch` does.
+            assert_eq!(fill_blocks(&mut t, &[0], len - 1, &[]), [None]);
+            assert_eq!(t.stats().snapshot().corrupt_values, 1);
         }
     }
 }
