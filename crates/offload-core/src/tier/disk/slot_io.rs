@@ -13,8 +13,9 @@ use super::source::Source;
 use super::store::DiskStore;
 use crate::tier::value::{checksum_ok, copy_verified_into};
 
-/// Bytes of values kept for reuse (`recycle`): one fetch batch of 2 MiB blocks (the
-/// worker asks for 32 at a time), so a steady stream of fetches takes no fresh pages.
+/// Bytes of values kept for reuse (`recycle`): one batch of 32 blocks of 2 MiB read with
+/// `get` (`RemoteTier::fetch`; the worker's fetches read into its CPU blocks instead), so
+/// a steady stream of them takes no fresh pages.
 const KEPT_VALUE_BYTES: usize = 64 << 20;
 
 impl DiskStore {
