@@ -172,3 +172,32 @@ fn stacked_fills_come_from_the_disk_then_the_remote_store() {
     assert_eq!(got, [Some(true), Some(true), Some(true), None]);
     assert_eq!(store.snapshot().reads, 2, "the disk served its own blocks");
 }
+
+#[test]
+fn a_block_read_in_several_groups_is_exact_and_every_group_is_verified() {
+    // Larger than the page cache path's read group (256 KiB), no multiple of 4 KiB, its
+    // slices cut across group edges: bytes damaged in a later group are caught too.
+    let len = 3 * (256 << 10) + ODD;
+    let cuts = [100, 300_000, 700_000];
+    for page_cache in [false, true] {
+        let s = Scratch::new("fill-groups");
+        let store = open(&s, len, page_cache, "");
+        let mut t = tier(&store);
+        assert_eq!(store_blocks(&mut t, 0..3, len), 3);
+        let data = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.data_path())
+            .unwrap();
+        let payload = |i: u32| store.offset_of(&key(i)).unwrap() + 32 + HASH_BYTES as u64;
+        data.write_all_at(&[0x01], payload(1) + len as u64 - 10)
+            .unwrap();
+        data.write_all_at(&[0x02], payload(2) + (256 << 10) + 50)
+            .unwrap();
+        assert_eq!(
+            fill_blocks(&mut t, &[0, 1, 2], len, &cuts),
+            [Some(true), None, None],
+            "page_cache {page_cache}"
+        );
+        assert_eq!(store.snapshot().checksum_failures, 2);
+    }
+}

@@ -127,17 +127,24 @@ pub(crate) fn copy_verified_scatter(
     sum.finish().to_le_bytes()[..] == *trailer
 }
 
-/// Whether `trailer` is the checksum of `body`'s pieces read as one byte string (a value
-/// read in pieces: its header, the payload's slices).
-pub(crate) fn pieces_checksum_ok<'a>(
-    body: impl IntoIterator<Item = &'a [u8]>,
-    trailer: [u8; TRAILER],
-) -> bool {
-    let mut sum = Checksum::new(CHECKSUM_SEED);
-    for piece in body {
-        sum.update(piece);
+/// The checksum of a value read in pieces (its header, the payload's slices), fed a
+/// piece at a time as each arrives, so it reads bytes still in cache.
+pub(crate) struct PieceSum(Checksum);
+
+impl PieceSum {
+    pub(crate) fn new() -> Self {
+        Self(Checksum::new(CHECKSUM_SEED))
     }
-    sum.finish() == u64::from_le_bytes(trailer)
+
+    /// Adds the next piece of the value's body (everything before its trailer).
+    pub(crate) fn update(&mut self, piece: &[u8]) {
+        self.0.update(piece);
+    }
+
+    /// Whether `trailer` is the checksum of the pieces given.
+    pub(crate) fn matches(&self, trailer: [u8; TRAILER]) -> bool {
+        self.0.finish() == u64::from_le_bytes(trailer)
+    }
 }
 
 #[cfg(test)]
@@ -162,10 +169,12 @@ mod tests {
         let (c, d) = rest.split_at_mut(VERIFY_PIECE + 3);
         let mut parts: Vec<&mut [u8]> = vec![a, c, d];
         assert!(copy_verified_scatter(&v, header_len, &mut parts));
-        assert!(pieces_checksum_ok(
-            std::iter::once(&v[..header_len]).chain(parts.iter().map(|p| &p[..])),
-            v[v.len() - 8..].try_into().unwrap()
-        ));
+        let mut sum = PieceSum::new();
+        sum.update(&v[..header_len]);
+        for p in &parts {
+            sum.update(p);
+        }
+        assert!(sum.matches(v[v.len() - 8..].try_into().unwrap()));
         assert_eq!(out, b);
         for i in [
             0,

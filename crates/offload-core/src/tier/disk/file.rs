@@ -174,21 +174,64 @@ impl DataFile {
         Ok(())
     }
 
-    /// Reads `parts`' total length at `offset` into `parts` in order (one `preadv` per
-    /// [`IOV_MAX`] parts), with the faults [`Self::read`] injects: anything
-    /// less than every byte is an error of kind `Short`, and a corrupt read flips the byte
-    /// in the middle of the whole range.
+    /// Reads `parts`' total length at `offset` into `parts` in order and hands each piece
+    /// (of at most `group` bytes) to `arrived` as soon as its bytes are in: the parts are
+    /// read about `group` bytes at a time (one `preadv` each, more past
+    /// [`IOV_MAX`] pieces), so a caller that sums the pieces reads them while they are in
+    /// cache. The faults [`Self::read`] injects apply once per call: anything less than
+    /// every byte is an error of kind `Short`, and a corrupt read flips the byte in the
+    /// middle of the whole range before `arrived` sees it.
     pub(crate) fn read_parts(
         &self,
         parts: &mut [&mut [u8]],
         offset: u64,
         faults: &DiskFaults,
+        group: usize,
+        mut arrived: impl FnMut(&[u8]),
     ) -> Result<(), IoKind> {
         let fault = faults.read_fault();
-        if matches!(fault, Some(ReadFault::Eio)) {
-            return Err(IoKind::Io);
+        match fault {
+            Some(ReadFault::Eio) => return Err(IoKind::Io),
+            Some(ReadFault::Short) => return Err(IoKind::Short),
+            _ => {}
         }
+        let group = group.max(1);
         let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut flip = matches!(fault, Some(ReadFault::Corrupt)).then_some(total / 2);
+        let mut pieces: Vec<&mut [u8]> =
+            parts.iter_mut().flat_map(|p| p.chunks_mut(group)).collect();
+        let mut at = offset;
+        let mut rest = &mut pieces[..];
+        while !rest.is_empty() {
+            let mut n = 0;
+            let mut bytes = 0;
+            while n < rest.len() && (n == 0 || bytes + rest[n].len() <= group) {
+                bytes += rest[n].len();
+                n += 1;
+            }
+            let (now, later) = rest.split_at_mut(n);
+            self.read_exact_parts(now, at)?;
+            for piece in now.iter_mut() {
+                if let Some(i) = flip {
+                    match piece.get_mut(i) {
+                        Some(b) => {
+                            *b ^= 0x5a;
+                            flip = None;
+                        }
+                        None => flip = Some(i - piece.len()),
+                    }
+                }
+                arrived(piece);
+            }
+            at += bytes as u64;
+            rest = later;
+        }
+        Ok(())
+    }
+
+    /// Reads `parts`' total length at `offset` into `parts` in order, `preadv` after
+    /// `preadv` until every byte is in; anything less is an error of kind `Short`.
+    fn read_exact_parts(&self, parts: &mut [&mut [u8]], offset: u64) -> Result<(), IoKind> {
         let mut iov: Vec<libc::iovec> = parts
             .iter_mut()
             .filter(|p| !p.is_empty())
@@ -237,19 +280,6 @@ impl DataFile {
                 if v.iov_len == 0 {
                     first += 1;
                 }
-            }
-        }
-        if matches!(fault, Some(ReadFault::Short)) {
-            return Err(IoKind::Short);
-        }
-        if matches!(fault, Some(ReadFault::Corrupt)) {
-            let mut mid = total / 2;
-            for p in parts.iter_mut() {
-                if let Some(b) = p.get_mut(mid) {
-                    *b ^= 0x5a;
-                    break;
-                }
-                mid -= p.len();
             }
         }
         Ok(())

@@ -4,9 +4,9 @@
 //!
 //! Into the caller's blocks, a block costs one copy in user space, not two: with
 //! `O_DIRECT` the slot is read into a reused aligned buffer and its payload copied into
-//! the block's slices with the checksum summed in that copy; with the page cache one
-//! `preadv` puts the header and trailer in small buffers and the payload straight into
-//! the slices, then the checksum is summed over them.
+//! the block's slices with the checksum summed in that copy; with the page cache
+//! `preadv`s of about [`SUM_GROUP`] bytes put the header and trailer in small buffers and
+//! the payload straight into the slices, the checksum summed over each as it lands.
 
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
@@ -15,9 +15,14 @@ use super::error::IoKind;
 use super::layout::key_digest;
 use super::stats::DiskStats;
 use super::store::DiskStore;
-use crate::tier::fill::{copy_verified_scatter, pieces_checksum_ok, through_get};
+use crate::tier::fill::{copy_verified_scatter, through_get, PieceSum};
 use crate::tier::value::{check_header, stored_hash, FIXED_HEADER, TRAILER};
 use crate::tier::{BlockFill, Fill, LayoutFingerprint, RemoteKey, TierError, MAX_HASH_BYTES};
+
+/// Bytes read from the page cache per `preadv` into a caller's block, then summed while
+/// they are in the core's cache (a 2 MiB block summed after one `preadv` of all of it is
+/// read from memory a second time).
+const SUM_GROUP: usize = 256 << 10;
 
 /// The header of a value read into a caller's block: the bytes before its payload.
 struct Header {
@@ -171,16 +176,26 @@ impl DiskStore {
         };
         if !s.data.is_direct() {
             let mut trailer = [0u8; TRAILER];
+            let mut sum = PieceSum::new();
             {
                 let mut pieces: Vec<&mut [u8]> = Vec::with_capacity(parts.len() + 2);
                 pieces.push(&mut header.bytes[..header_len]);
                 pieces.extend(parts.iter_mut().map(|p| &mut **p));
+                let body: usize = pieces.iter().map(|p| p.len()).sum();
                 pieces.push(&mut trailer);
-                s.data.read_parts(&mut pieces, offset, &s.faults)?;
+                // Summed piece by piece as the kernel's copies land, while in cache. A
+                // piece lies within one part, so the trailer (the last part) comes as
+                // pieces of its own, after `body` bytes, and is not summed.
+                let mut seen = 0;
+                s.data
+                    .read_parts(&mut pieces, offset, &s.faults, SUM_GROUP, |piece| {
+                        if seen < body {
+                            sum.update(piece);
+                        }
+                        seen += piece.len();
+                    })?;
             }
-            let body = std::iter::once(header.as_slice()).chain(parts.iter().map(|p| &**p));
-            let good = self.commits(slot, u64::from_le_bytes(trailer))
-                && pieces_checksum_ok(body, trailer);
+            let good = self.commits(slot, u64::from_le_bytes(trailer)) && sum.matches(trailer);
             return Ok(good.then_some(header));
         }
         let mut buf = self.buffer();
