@@ -5,11 +5,16 @@
 //! read, the in-memory index at scale (lookups/s, host bytes per block) and the index
 //! rebuild at restart.
 //!
+//! The tier's reads take the worker's path: `RemoteTier::fetch_into` straight into CPU
+//! blocks laid out as the CPU tier's (one slice per layer region), so they end where
+//! Simple's loop ends, in host memory the GPU copies from.
+//!
 //! Prints one JSON object (medians of `RUNS` interleaved runs, and every run). Settings by
 //! environment: `KVOFFLOAD_BENCH_DIR` (default the temp dir: put it on the disk to
 //! measure), `KVOFFLOAD_BENCH_BLOCK_SIZES` (`65536,262144,2097152`: a 16-token block of a
 //! small model, of a 1B-class model, of an 8B model in bf16; empty skips), `KVOFFLOAD_BENCH_BYTES`
-//! (bytes read per run and size, 256 MiB), `KVOFFLOAD_BENCH_INDEX_ENTRIES` (5000000; 0
+//! (bytes read per run and size, 256 MiB), `KVOFFLOAD_BENCH_IO_THREADS` (the tier's I/O
+//! threads, `DEFAULT_IO_THREADS`), `KVOFFLOAD_BENCH_INDEX_ENTRIES` (5000000; 0
 //! skips), `KVOFFLOAD_BENCH_REBUILD_BLOCKS` (1000000; 0 skips), `PYTHON` (python3).
 //!
 //!     cargo bench -p offload-core --bench disk > docs/benchmarks/disk_tier.json
@@ -23,9 +28,9 @@ use std::time::Instant;
 use common::Rng;
 use disk_support::{
     env_u64, hash, median, python_simple_loop, raw, shuffled, thread_cpu_seconds, tier, tier_read,
-    tier_write, Obj, RAW_CHUNK,
+    tier_write, CpuBlocks, Obj, RAW_CHUNK,
 };
-use offload_core::tier::disk::{DiskOptions, DiskStore, Placement, SlotIndex};
+use offload_core::tier::disk::{DiskOptions, DiskStore, Placement, SlotIndex, DEFAULT_IO_THREADS};
 use offload_core::tier::value::{checksum_ok, copy_verified, encode, encoded_len};
 use offload_core::tier::LayoutFingerprint;
 
@@ -42,6 +47,16 @@ const NAMES: [&str; 6] = [
     "python_simple_read",
 ];
 
+/// The tier's I/O threads (reads in flight per batch): `KVOFFLOAD_BENCH_IO_THREADS`, the
+/// tier's default without it.
+fn io_threads() -> usize {
+    usize::try_from(env_u64(
+        "KVOFFLOAD_BENCH_IO_THREADS",
+        DEFAULT_IO_THREADS as u64,
+    ))
+    .unwrap_or(DEFAULT_IO_THREADS)
+}
+
 /// Every figure of one block size and I/O mode.
 fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f64; 6]) {
     let n = (total / block as u64).max(BATCH as u64);
@@ -56,8 +71,10 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
     // the whole capacity is used (see `layout`).
     let mut opts = DiskOptions::new(dir.join("kv.rank_0"), 4096 + 2 * n * (slot + 64), value, FP);
     opts.use_page_cache = page_cache;
+    opts.io_threads = io_threads();
     let store = DiskStore::open(&opts).expect("open the tier");
     let mut t = tier(&store);
+    let cpu = CpuBlocks::new(block, BATCH as u32);
     let direct = !page_cache;
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); NAMES.len()];
     // The Python loop's file: n blocks, aligned as Simple lays them.
@@ -70,12 +87,12 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
         runs[0].push(raw(&raw_path, raw_len, true, direct));
         runs[1].push(tier_write(&mut t, &ids, &payload, BATCH));
         runs[2].push(raw(&raw_path, raw_len, false, direct));
-        runs[3].push(tier_read(&mut t, &ids, block, BATCH));
+        runs[3].push(tier_read(&mut t, &cpu, &ids, block, BATCH));
         let order: Vec<u64> = shuffled(n, run as u64 + 1)
             .iter()
             .map(|&i| ids[i as usize])
             .collect();
-        runs[4].push(tier_read(&mut t, &order, block, BATCH));
+        runs[4].push(tier_read(&mut t, &cpu, &order, block, BATCH));
         runs[5].push(python_simple_loop(&py_path, py_block, n, direct));
     }
     let direct_io = store.is_direct();
@@ -302,6 +319,7 @@ fn main() {
     let mut out = Obj::default()
         .num("runs", RUNS as f64)
         .num("batch", BATCH as f64)
+        .num("io_threads", io_threads() as f64)
         .num("bytes_per_run", total as f64)
         .text("dir", &dir.display().to_string())
         .objs("configs", configs)

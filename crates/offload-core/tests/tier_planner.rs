@@ -334,6 +334,15 @@ fn a_corrupt_or_missing_value_fills_only_the_blocks_before_it() {
     // SAFETY: as above; the previous fetch reported.
     unsafe { w.fetch(req(2, &absent)) };
     assert_eq!(wait_reports(&w), vec![(2, 1)]);
+    // A request naming one CPU block twice would fill two aliased destinations: refused.
+    let twice = FetchRequest {
+        id: 3,
+        hashes: vec![key_bytes(h[0]).to_vec(); 2],
+        cpu_blocks: vec![0, 0],
+    };
+    // SAFETY: as above; the previous fetch reported.
+    unsafe { w.fetch(twice) };
+    assert_eq!(wait_reports(&w), vec![(3, 0)]);
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! What `benches/disk.rs` measures with: raw sequential I/O, the Python copy of Simple's
-//! read loop, reads and writes through the tier, and just enough JSON writing.
+//! read loop, reads (into CPU blocks laid out as the CPU tier's) and writes through the
+//! tier, and just enough JSON writing.
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -11,6 +12,7 @@ use std::time::Instant;
 
 use offload_core::tier::disk::DiskStore;
 use offload_core::tier::{KeySpace, LayoutFingerprint, RemoteTier, TierStats};
+use offload_core::transfer::{HostBlocks, RegionSpec, TransferConfig, TransferEngine};
 
 /// Bytes of one raw call (`dd bs=4M`).
 pub(crate) const RAW_CHUNK: usize = 4 << 20;
@@ -158,17 +160,77 @@ pub(crate) fn shuffled(n: u64, seed: u64) -> Vec<u64> {
     v
 }
 
-/// GB/s of payload read through the tier (fetch: read, verify), `batch` blocks a fetch,
-/// each block's buffer given back once read, as the worker does after its copy.
-pub(crate) fn tier_read(t: &mut RemoteTier, order: &[u64], block: usize, batch: usize) -> f64 {
+/// Layer regions of the bench's CPU blocks: a block is one slice per region, as a
+/// 32-layer model's (K and V of a layer together) lays it out in the CPU tier.
+const REGIONS: usize = 32;
+
+/// CPU blocks laid out as the CPU tier's, `blocks` of `block` bytes over [`REGIONS`]
+/// regions (the last one takes what does not divide evenly): what the worker's fetches
+/// fill. The engine keeps the "device" side, one block a region, alive with them.
+pub(crate) struct CpuBlocks {
+    pub(crate) blocks: HostBlocks,
+    _engine: TransferEngine,
+    _device: Vec<u8>,
+}
+
+impl CpuBlocks {
+    pub(crate) fn new(block: usize, blocks: u32) -> Self {
+        let regions = REGIONS.min(block);
+        let part = block / regions;
+        let sizes: Vec<usize> = (0..regions)
+            .map(|r| {
+                if r + 1 == regions {
+                    block - part * r
+                } else {
+                    part
+                }
+            })
+            .collect();
+        let mut device = vec![0u8; block];
+        let base = device.as_mut_ptr() as u64;
+        let mut at = 0u64;
+        let specs: Vec<RegionSpec> = sizes
+            .iter()
+            .map(|&len| {
+                // SAFETY: each region is one block of `len` bytes inside `device`, which
+                // outlives the engine (fields drop in order: the engine first); no copy
+                // job is ever submitted.
+                let spec = unsafe { RegionSpec::new(base + at, 1, len, len) }.expect("region");
+                at += len as u64;
+                spec
+            })
+            .collect();
+        let engine = TransferEngine::new(specs, blocks, TransferConfig::default()).expect("engine");
+        Self {
+            blocks: engine.host_blocks(),
+            _engine: engine,
+            _device: device,
+        }
+    }
+}
+
+/// GB/s of payload read through the tier the worker's way (`fetch_into`: read, verify,
+/// straight into the CPU blocks of `cpu`), `batch` blocks a fetch into CPU blocks
+/// `0..batch`, as the worker fills the blocks the scheduler reserved.
+pub(crate) fn tier_read(
+    t: &mut RemoteTier,
+    cpu: &CpuBlocks,
+    order: &[u64],
+    block: usize,
+    batch: usize,
+) -> f64 {
     let start = Instant::now();
     for chunk in order.chunks(batch) {
         let hashes: Vec<[u8; 16]> = chunk.iter().map(|&i| hash(i)).collect();
-        let got = t.fetch(&hashes, block).expect("fetch");
-        assert!(got.iter().all(Option::is_some), "a block missed");
-        for b in got.into_iter().flatten() {
-            t.recycle(b);
-        }
+        let dests: Vec<Vec<&mut [u8]>> = (0..chunk.len() as u32)
+            .map(|id| {
+                // SAFETY: the bench is the only user of these blocks, and each id appears
+                // once per fetch, so no two destinations alias.
+                unsafe { cpu.blocks.block_parts_mut(id) }.expect("CPU block")
+            })
+            .collect();
+        let got = t.fetch_into(&hashes, dests).expect("fetch");
+        assert!(got.iter().all(|&ok| ok), "a block missed");
     }
     (order.len() * block) as f64 / start.elapsed().as_secs_f64() / 1e9
 }

@@ -4,6 +4,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use super::fill::{BlockFill, Fill};
 use super::key::KeySpace;
 use super::stats::{bump, TierStats};
 use super::value::{decode, decode_verified, ValueParts};
@@ -34,6 +35,22 @@ fn check_count(op: &'static str, answers: usize, keys: usize) -> Result<(), Tier
         op,
         reason: format!("{answers} answers for {keys} keys"),
     })
+}
+
+/// What a fetch's answers came to, beyond the counters: the keys whose values were
+/// rejected, and whether a failure was logged yet.
+struct Tally {
+    rejected: Vec<RemoteKey>,
+    first: bool,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        Self {
+            rejected: Vec::new(),
+            first: true,
+        }
+    }
 }
 
 /// One engine rank's view of the remote tier.
@@ -121,51 +138,111 @@ impl RemoteTier {
         let keys = self.keys_of(hashes)?;
         let started = std::time::Instant::now();
         let answers = self.store.get(&keys);
-        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-        bump(&self.stats.get_round_trips, 1);
-        bump(&self.stats.get_micros, micros);
+        self.round_trip(started);
         check_count("get", answers.len(), keys.len())?;
         let fp = self.keys.fingerprint();
-        let mut out = Vec::with_capacity(answers.len());
-        let mut first = true;
-        let mut rejected = Vec::new();
         let decode = if self.store.verifies_checksums() {
             decode_verified
         } else {
             decode
         };
+        let mut tally = Tally::default();
+        let mut out = Vec::with_capacity(answers.len());
         for ((answer, hash), key) in answers.into_iter().zip(hashes).zip(&keys) {
-            let block = match answer {
-                Ok(Some(value)) => match decode(&value, fp, hash.as_ref(), block_bytes) {
+            let mut block = None;
+            let fill = answer.map(|value| {
+                let Some(value) = value else {
+                    return Fill::Missing;
+                };
+                match decode(&value, fp, hash.as_ref(), block_bytes) {
                     Ok(payload) => {
                         let start = payload.as_ptr() as usize - value.as_ptr() as usize;
                         let payload = start..start + payload.len();
-                        bump(&self.stats.get_hits, 1);
-                        bump(&self.stats.bytes_read, block_bytes as u64);
-                        Some(FetchedBlock { value, payload })
+                        block = Some(FetchedBlock { value, payload });
+                        Fill::Filled
                     }
-                    Err(e) => {
-                        bump(&self.stats.corrupt_values, 1);
-                        log::warn!("kvoffload: remote value {key} rejected ({e}); recomputing");
-                        rejected.push(key.clone());
-                        None
-                    }
-                },
-                Ok(None) => {
-                    bump(&self.stats.get_misses, 1);
-                    None
+                    Err(e) => Fill::Rejected(e),
                 }
-                Err(e) => {
-                    self.failed(&e, &mut first);
-                    None
-                }
-            };
+            });
+            self.count(fill, key, block_bytes, &mut tally);
             out.push(block);
         }
-        if !rejected.is_empty() {
-            self.store.discard(&rejected);
-        }
+        self.settle(tally);
         Ok(out)
+    }
+
+    /// Fetches the blocks `hashes` in one round trip straight into `dests` (block `i`'s
+    /// payload over the slices `dests[i]`, in order: a CPU block's slice of each layer
+    /// region), with every check [`Self::fetch`] makes; whether each block was filled. A
+    /// block not filled (missing, failed or rejected, counted as by [`Self::fetch`]) may
+    /// have left anything in its destination. Errors as for [`Self::probe_chain`], and
+    /// when `dests` does not give one destination per hash.
+    pub fn fetch_into<H: AsRef<[u8]>>(
+        &mut self,
+        hashes: &[H],
+        dests: Vec<Vec<&mut [u8]>>,
+    ) -> Result<Vec<bool>, TierError> {
+        check_count("fetch_into", dests.len(), hashes.len())?;
+        if hashes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys = self.keys_of(hashes)?;
+        let mut blocks: Vec<BlockFill<'_, '_>> = hashes
+            .iter()
+            .zip(dests)
+            .map(|(h, parts)| BlockFill::new(h.as_ref(), parts))
+            .collect();
+        let started = std::time::Instant::now();
+        let answers = self
+            .store
+            .get_into(&keys, self.keys.fingerprint(), &mut blocks);
+        self.round_trip(started);
+        check_count("get", answers.len(), keys.len())?;
+        let mut tally = Tally::default();
+        let mut out = Vec::with_capacity(answers.len());
+        for ((answer, block), key) in answers.into_iter().zip(&blocks).zip(&keys) {
+            out.push(matches!(answer, Ok(Fill::Filled)));
+            self.count(answer, key, block.len(), &mut tally);
+        }
+        self.settle(tally);
+        Ok(out)
+    }
+
+    fn round_trip(&self, started: std::time::Instant) {
+        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        bump(&self.stats.get_round_trips, 1);
+        bump(&self.stats.get_micros, micros);
+    }
+
+    /// Counts one block's answer to a fetch; a rejected value is logged and its key kept
+    /// for [`Self::settle`].
+    fn count(
+        &self,
+        answer: Result<Fill, TierError>,
+        key: &RemoteKey,
+        block_bytes: usize,
+        tally: &mut Tally,
+    ) {
+        match answer {
+            Ok(Fill::Filled) => {
+                bump(&self.stats.get_hits, 1);
+                bump(&self.stats.bytes_read, block_bytes as u64);
+            }
+            Ok(Fill::Rejected(e)) => {
+                bump(&self.stats.corrupt_values, 1);
+                log::warn!("kvoffload: remote value {key} rejected ({e}); recomputing");
+                tally.rejected.push(key.clone());
+            }
+            Ok(Fill::Missing) => bump(&self.stats.get_misses, 1),
+            Err(e) => self.failed(&e, &mut tally.first),
+        }
+    }
+
+    /// Tells the store which values a fetch rejected, so it can free them.
+    fn settle(&mut self, tally: Tally) {
+        if !tally.rejected.is_empty() {
+            self.store.discard(&tally.rejected);
+        }
     }
 
     /// Gives a fetched block's buffer back to the store once its payload has been copied

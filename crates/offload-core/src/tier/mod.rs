@@ -55,6 +55,7 @@ mod blocks;
 mod checksum;
 pub mod config;
 pub mod disk;
+mod fill;
 mod key;
 mod memory;
 mod probe;
@@ -69,6 +70,7 @@ use thiserror::Error;
 
 pub use blocks::{FetchedBlock, RemoteTier};
 pub use config::RemoteConfig;
+pub use fill::{BlockFill, Fill};
 pub use key::{
     parse_kv_cache_version, sharing_problem, KeySpace, KvLayout, LayoutFingerprint, RemoteKey,
     DEFAULT_NONE_HASH_SEED, KEY_KV_CACHE_VERSION, MAX_HASH_BYTES,
@@ -94,6 +96,22 @@ pub trait RemoteStore: Send {
 
     /// Each key's value, `None` where there is none.
     fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>>;
+
+    /// Fetches each key's block straight into the caller's memory: `blocks[i]` says which
+    /// block `keys[i]` must hold (its hash; `fingerprint` is the layout's) and where its
+    /// payload goes. Every check [`RemoteTier::fetch`] makes is made (header, fingerprint,
+    /// hash, length, checksum); only a [`Fill::Filled`] block's destination holds its
+    /// bytes, any other may hold anything. A store that reads into buffers of its own (the
+    /// disk tier) reads or copies straight into the destination; the default goes through
+    /// [`Self::get`] and copies each verified payload.
+    fn get_into(
+        &mut self,
+        keys: &[RemoteKey],
+        fingerprint: LayoutFingerprint,
+        blocks: &mut [BlockFill<'_, '_>],
+    ) -> Vec<Result<Fill, TierError>> {
+        fill::through_get(self, keys, fingerprint, blocks)
+    }
 
     /// Writes each value under its key, replacing what was there.
     fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>>;

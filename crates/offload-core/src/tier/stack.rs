@@ -2,7 +2,7 @@
 //! planner's one lookup path continues a hit from CPU to disk to the remote store without
 //! knowing there are two.
 
-use super::{RemoteKey, RemoteStore, TierError, ValueParts};
+use super::{BlockFill, Fill, LayoutFingerprint, RemoteKey, RemoteStore, TierError, ValueParts};
 
 /// `near` in front of `far`: reads try `near` first, writes go to both.
 pub struct StackedStore {
@@ -60,6 +60,49 @@ impl RemoteStore for StackedStore {
 
     fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
         self.fall_through(keys, |s, k| s.get(k), |s, k| s.get(k), Option::is_some)
+    }
+
+    /// Into the destinations, from `near` (the disk reads straight into them) and, for the
+    /// blocks it did not have, from `far`: as [`Self::get`], a value `near` had and the
+    /// fill rejected is not asked of `far`.
+    fn get_into(
+        &mut self,
+        keys: &[RemoteKey],
+        fingerprint: LayoutFingerprint,
+        blocks: &mut [BlockFill<'_, '_>],
+    ) -> Vec<Result<Fill, TierError>> {
+        let mut out = self.near.get_into(keys, fingerprint, blocks);
+        let rest: Vec<usize> = if out.len() == keys.len() {
+            (0..keys.len())
+                .filter(|&i| !matches!(out[i], Ok(Fill::Filled | Fill::Rejected(_))))
+                .collect()
+        } else {
+            // A store that skipped keys answered nothing usable; the far one answers all.
+            out = (0..keys.len()).map(|_| Ok(Fill::Missing)).collect();
+            (0..keys.len()).collect()
+        };
+        if rest.is_empty() {
+            return out;
+        }
+        let asked: Vec<RemoteKey> = rest.iter().map(|&i| keys[i].clone()).collect();
+        let mut wanted = vec![false; blocks.len()];
+        for &i in &rest {
+            wanted[i] = true;
+        }
+        // The same destinations, reborrowed for the far store's call.
+        let mut theirs: Vec<BlockFill<'_, '_>> = blocks
+            .iter_mut()
+            .zip(&wanted)
+            .filter(|(_, &w)| w)
+            .map(|(b, _)| BlockFill::new(b.hash, b.parts.iter_mut().map(|p| &mut **p).collect()))
+            .collect();
+        let answers = self.far.get_into(&asked, fingerprint, &mut theirs);
+        if answers.len() == asked.len() {
+            for (i, a) in rest.into_iter().zip(answers) {
+                out[i] = a;
+            }
+        }
+        out
     }
 
     /// Both stores get every block; a block counts as written when either took it.

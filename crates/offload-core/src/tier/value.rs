@@ -21,9 +21,9 @@ use super::key::{LayoutFingerprint, MAX_HASH_BYTES};
 const MAGIC: &[u8; 4] = b"KVOF";
 /// The value format this build writes and reads.
 pub const FORMAT_VERSION: u16 = 1;
-const FIXED_HEADER: usize = 32;
-const TRAILER: usize = 8;
-const CHECKSUM_SEED: u64 = 0x4b56_4f46_5641_4c55;
+pub(crate) const FIXED_HEADER: usize = 32;
+pub(crate) const TRAILER: usize = 8;
+pub(crate) const CHECKSUM_SEED: u64 = 0x4b56_4f46_5641_4c55;
 
 /// Why a stored value is not the block that was asked for. Any of these is a miss.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -200,7 +200,7 @@ pub fn checksum_ok(value: &[u8]) -> bool {
 
 /// Bytes summed and copied at a time, in [`copy_verified`] and [`ValueParts`]' encoding:
 /// small enough that the piece is still in the core's cache when the second pass reads it.
-const VERIFY_PIECE: usize = 16 << 10;
+pub(crate) const VERIFY_PIECE: usize = 16 << 10;
 
 /// A copy of `value` if its trailer is the checksum of the bytes before it.
 ///
@@ -262,16 +262,57 @@ fn decode_checked<'a>(
     if len < FIXED_HEADER + TRAILER {
         return Err(ValueError::TooShort { len });
     }
-    if &value[..4] != MAGIC {
+    let hash_len = check_fields(value, len, fingerprint, block_bytes)?;
+    if sum_it && !checksum_ok(value) {
+        return Err(ValueError::Checksum);
+    }
+    // Checked after the checksum: a flipped hash byte is corruption, not another block.
+    if &value[FIXED_HEADER..FIXED_HEADER + hash_len] != hash {
+        return Err(ValueError::Hash);
+    }
+    Ok(&value[FIXED_HEADER + hash_len..len - TRAILER])
+}
+
+/// [`decode_verified`]'s checks of a value read in pieces, its `header` (the bytes before
+/// the payload) apart from the payload: the value is `value_len` bytes and its checksum
+/// was verified by the caller.
+pub(crate) fn check_header(
+    header: &[u8],
+    value_len: usize,
+    fingerprint: LayoutFingerprint,
+    hash: &[u8],
+    block_bytes: usize,
+) -> Result<(), ValueError> {
+    if header.len() < FIXED_HEADER || value_len < FIXED_HEADER + TRAILER {
+        return Err(ValueError::TooShort { len: value_len });
+    }
+    let hash_len = check_fields(header, value_len, fingerprint, block_bytes)?;
+    // The lengths agree with `value_len`, so a header of another hash length than the
+    // caller cut is a `Hash` mismatch here, never an index out of range.
+    if header.get(FIXED_HEADER..FIXED_HEADER + hash_len) != Some(hash) {
+        return Err(ValueError::Hash);
+    }
+    Ok(())
+}
+
+/// Checks the fixed header at the start of `header` (at least [`FIXED_HEADER`] bytes) of
+/// a `len`-byte value: magic, format, fingerprint, lengths; returns the hash length.
+fn check_fields(
+    header: &[u8],
+    len: usize,
+    fingerprint: LayoutFingerprint,
+    block_bytes: usize,
+) -> Result<usize, ValueError> {
+    if &header[..4] != MAGIC {
         return Err(ValueError::BadMagic);
     }
-    let version = u16::from_le_bytes([value[4], value[5]]);
+    let version = u16::from_le_bytes([header[4], header[5]]);
     if version != FORMAT_VERSION {
         return Err(ValueError::Version { found: version });
     }
-    let hash_len = usize::from(u16::from_le_bytes([value[6], value[7]]));
+    let hash_len = usize::from(u16::from_le_bytes([header[6], header[7]]));
     let mut fp = [0u8; 16];
-    fp.copy_from_slice(&value[8..24]);
+    fp.copy_from_slice(&header[8..24]);
     let found = LayoutFingerprint(u128::from_le_bytes(fp));
     if found != fingerprint {
         return Err(ValueError::Fingerprint {
@@ -280,7 +321,7 @@ fn decode_checked<'a>(
         });
     }
     let mut pl = [0u8; 8];
-    pl.copy_from_slice(&value[24..32]);
+    pl.copy_from_slice(&header[24..32]);
     let payload_len = u64::from_le_bytes(pl);
     let described = (FIXED_HEADER + TRAILER + hash_len) as u64 + payload_len;
     if described != len as u64 {
@@ -292,15 +333,7 @@ fn decode_checked<'a>(
             expected: block_bytes,
         });
     }
-    let body_end = len - TRAILER;
-    if sum_it && !checksum_ok(value) {
-        return Err(ValueError::Checksum);
-    }
-    // Checked after the checksum: a flipped hash byte is corruption, not another block.
-    if &value[FIXED_HEADER..FIXED_HEADER + hash_len] != hash {
-        return Err(ValueError::Hash);
-    }
-    Ok(&value[FIXED_HEADER + hash_len..body_end])
+    Ok(hash_len)
 }
 
 #[cfg(test)]

@@ -191,32 +191,55 @@ fn fetch_loop(
     }
 }
 
-/// Fills the leading run of `req`'s blocks that the store has and that pass every check.
+/// Fills the leading run of `req`'s blocks that the store has and that pass every check,
+/// each read (or copied out of the store's own buffer) straight into its reserved CPU
+/// block.
 fn fetch_one(tier: &mut RemoteTier, blocks: &HostBlocks, req: &FetchRequest) -> usize {
     let n = req.hashes.len().min(req.cpu_blocks.len());
     let mut filled = 0;
     while filled < n {
         let end = (filled + FETCH_BATCH).min(n);
-        let got = match tier.fetch(&req.hashes[filled..end], blocks.block_bytes()) {
+        let cpu = &req.cpu_blocks[filled..end];
+        if has_repeats(cpu) {
+            log::warn!(
+                "kvoffload: remote fetch {} names a CPU block twice; recomputing",
+                req.id
+            );
+            return filled;
+        }
+        // SAFETY: the scheduler reserved every block of `cpu` for this fetch
+        // (`WorkerTier::fetch`'s contract): nothing else reads or writes them until this
+        // fetch is reported, and they are distinct (checked above), so no two
+        // destinations alias. The slices end with this batch, before the report.
+        let dests = cpu
+            .iter()
+            .map(|&id| unsafe { blocks.block_parts_mut(id) })
+            .collect::<Result<Vec<_>, _>>();
+        let got = dests.map_err(|e| e.to_string()).and_then(|dests| {
+            tier.fetch_into(&req.hashes[filled..end], dests)
+                .map_err(|e| e.to_string())
+        });
+        let got = match got {
             Ok(got) => got,
             Err(e) => {
                 log::warn!("kvoffload: remote fetch {}: {e}; recomputing", req.id);
                 return filled;
             }
         };
-        for (block, &cpu) in got.into_iter().zip(&req.cpu_blocks[filled..end]) {
-            let Some(block) = block else {
-                return filled;
-            };
-            // SAFETY: the scheduler reserved `cpu` for this fetch (`WorkerTier::fetch`'s
-            // contract): nothing else touches it until this fetch is reported.
-            if let Err(e) = unsafe { blocks.write_block(cpu, block.payload()) } {
-                log::warn!("kvoffload: remote fetch {}: {e}; recomputing", req.id);
-                return filled;
-            }
-            tier.recycle(block);
-            filled += 1;
+        // A block not filled may hold anything: the run ends there, and the scheduler
+        // drops the reserved blocks from it on (they were never published).
+        let run = got.iter().take_while(|&&ok| ok).count();
+        filled += run;
+        if run < got.len() {
+            return filled;
         }
     }
     filled
+}
+
+/// Whether a block id appears twice (two destinations over one block would alias).
+fn has_repeats(ids: &[u32]) -> bool {
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    sorted.windows(2).any(|w| w[0] == w[1])
 }

@@ -226,14 +226,6 @@ pub enum BlockAccessError {
         /// The number of CPU blocks.
         limit: u32,
     },
-    /// Bytes for a block that are not one block long.
-    #[error("{len} bytes for a CPU block of {expected} bytes")]
-    WrongLength {
-        /// Bytes given.
-        len: usize,
-        /// Bytes of one CPU block.
-        expected: usize,
-    },
     /// Jobs are in flight, so the copy thread may be touching host memory.
     #[error("{unfinished} job(s) in flight; host blocks are readable only when none are")]
     Busy {

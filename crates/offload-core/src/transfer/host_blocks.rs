@@ -78,33 +78,25 @@ impl HostBlocks {
         Ok(())
     }
 
-    /// Overwrites block `cpu_id` with `data`, which must be exactly one block.
+    /// Block `cpu_id`'s bytes as one mutable slice per region, in region order: the
+    /// destination a fetch fills in place ([`RemoteTier::fetch_into`](crate::tier::RemoteTier::fetch_into)).
     ///
     /// # Safety
-    /// No other thread may read or write block `cpu_id` during the call (see the type's
-    /// docs).
-    pub unsafe fn write_block(&self, cpu_id: u32, data: &[u8]) -> Result<(), BlockAccessError> {
+    /// While the slices live, no other thread may read or write block `cpu_id` and no
+    /// other slice of it may be taken (see the type's docs).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn block_parts_mut(&self, cpu_id: u32) -> Result<Vec<&mut [u8]>, BlockAccessError> {
         self.check(cpu_id)?;
-        if data.len() != self.block_bytes() {
-            return Err(BlockAccessError::WrongLength {
-                len: data.len(),
-                expected: self.block_bytes(),
-            });
-        }
-        let mut at = 0;
-        for (offset, len) in self.parts(cpu_id) {
-            // SAFETY: as in `read_block`, and `data` is a separate allocation of exactly
-            // the block's length, so source and destination never overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    data.as_ptr().add(at),
-                    self.memory.as_mut_ptr().add(offset),
-                    len,
-                );
-            }
-            at += len;
-        }
-        Ok(())
+        Ok(self
+            .parts(cpu_id)
+            .map(|(offset, len)| {
+                // SAFETY: the layout keeps `offset + len` within the mapping, which lives
+                // as long as `self` (checked at its construction, `cpu_id` checked above);
+                // regions' slices of one block never overlap, and the caller guarantees
+                // these are the only references to the block while they live.
+                unsafe { std::slice::from_raw_parts_mut(self.memory.as_mut_ptr().add(offset), len) }
+            })
+            .collect())
     }
 }
 
@@ -115,7 +107,7 @@ mod tests {
     use crate::transfer::{RegionSpec, TransferConfig, TransferEngine};
 
     #[test]
-    fn blocks_are_the_regions_slices_in_order_and_bad_ids_or_lengths_are_refused() {
+    fn blocks_are_the_regions_slices_in_order_and_bad_ids_are_refused() {
         let mut device = vec![0u8; 2 * 4 * 8];
         let base = device.as_mut_ptr() as u64;
         // SAFETY: `device` outlives the engine and no job is submitted.
@@ -129,18 +121,16 @@ mod tests {
         let blocks = engine.host_blocks();
         assert_eq!((blocks.block_bytes(), blocks.num_blocks()), (12, 3));
         let data: Vec<u8> = (1..=12).collect();
-        // SAFETY: no job is in flight and no other thread uses the blocks.
+        // SAFETY: no job is in flight and no other thread uses the blocks; each block's
+        // slices are dropped before the block is touched again.
         unsafe {
-            blocks.write_block(2, &data).unwrap();
-            assert_eq!(
-                blocks.write_block(2, &data[..11]),
-                Err(BlockAccessError::WrongLength {
-                    len: 11,
-                    expected: 12
-                })
-            );
+            let mut parts = blocks.block_parts_mut(2).unwrap();
+            assert_eq!(parts.iter().map(|p| p.len()).collect::<Vec<_>>(), [8, 4]);
+            parts[0].copy_from_slice(&data[..8]);
+            parts[1].copy_from_slice(&data[8..]);
+            drop(parts);
             assert!(matches!(
-                blocks.write_block(3, &data),
+                blocks.block_parts_mut(3),
                 Err(BlockAccessError::InvalidBlock { id: 3, limit: 3 })
             ));
             let mut out = vec![0xee];

@@ -106,3 +106,40 @@ pub fn fetch_blocks(t: &mut RemoteTier, ids: &[u32], len: usize) -> Vec<Option<b
         .map(|(b, &i)| b.map(|b| b.payload() == block(i, len).as_slice()))
         .collect()
 }
+
+/// Fills blocks `ids` of `len` bytes through `t` the worker's way (`fetch_into`), each
+/// destination cut at `cuts` (a CPU block's slices, one per layer region) and dirty
+/// beforehand: `Some(true)` filled and byte-exact, `Some(false)` reported filled with a
+/// wrong byte (never acceptable), `None` not filled.
+pub fn fill_blocks(
+    t: &mut RemoteTier,
+    ids: &[u32],
+    len: usize,
+    cuts: &[usize],
+) -> Vec<Option<bool>> {
+    let hashes: Vec<[u8; HASH_BYTES]> = ids.iter().map(|&i| hash(i)).collect();
+    let mut memory: Vec<Vec<u8>> = ids.iter().map(|_| vec![0xc3; len]).collect();
+    let dests: Vec<Vec<&mut [u8]>> = memory.iter_mut().map(|m| split(m, cuts)).collect();
+    let filled = t.fetch_into(&hashes, dests).expect("fetch_into");
+    filled
+        .into_iter()
+        .zip(&memory)
+        .zip(ids)
+        .map(|((ok, m), &i)| ok.then(|| *m == block(i, len)))
+        .collect()
+}
+
+/// `buf` cut at the offsets `cuts` (ascending, within it) into consecutive slices.
+pub fn split<'a>(buf: &'a mut [u8], cuts: &[usize]) -> Vec<&'a mut [u8]> {
+    let mut parts = Vec::with_capacity(cuts.len() + 1);
+    let mut rest = buf;
+    let mut at = 0;
+    for &c in cuts {
+        let (head, tail) = rest.split_at_mut(c - at);
+        parts.push(head);
+        rest = tail;
+        at = c;
+    }
+    parts.push(rest);
+    parts
+}

@@ -128,6 +128,9 @@ pub(crate) fn classify(e: &io::Error) -> IoKind {
     }
 }
 
+/// Most iovecs one `preadv` takes on Linux (`UIO_MAXIOV`; libc does not export it).
+const IOV_MAX: usize = 1024;
+
 /// The data file: positional I/O, direct where the file system allows it.
 #[derive(Debug)]
 pub(crate) struct DataFile {
@@ -166,6 +169,117 @@ impl DataFile {
         if matches!(fault, Some(ReadFault::Corrupt)) {
             if let Some(b) = buf.get_mut(buf.len() / 2) {
                 *b ^= 0x5a;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `parts`' total length at `offset` into `parts` in order and hands each piece
+    /// (of at most `group` bytes) to `arrived` as soon as its bytes are in: the parts are
+    /// read about `group` bytes at a time (one `preadv` each, more past
+    /// [`IOV_MAX`] pieces), so a caller that sums the pieces reads them while they are in
+    /// cache. The faults [`Self::read`] injects apply once per call: anything less than
+    /// every byte is an error of kind `Short`, and a corrupt read flips the byte in the
+    /// middle of the whole range before `arrived` sees it.
+    pub(crate) fn read_parts(
+        &self,
+        parts: &mut [&mut [u8]],
+        offset: u64,
+        faults: &DiskFaults,
+        group: usize,
+        mut arrived: impl FnMut(&[u8]),
+    ) -> Result<(), IoKind> {
+        let fault = faults.read_fault();
+        match fault {
+            Some(ReadFault::Eio) => return Err(IoKind::Io),
+            Some(ReadFault::Short) => return Err(IoKind::Short),
+            _ => {}
+        }
+        let group = group.max(1);
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut flip = matches!(fault, Some(ReadFault::Corrupt)).then_some(total / 2);
+        let mut pieces: Vec<&mut [u8]> =
+            parts.iter_mut().flat_map(|p| p.chunks_mut(group)).collect();
+        let mut at = offset;
+        let mut rest = &mut pieces[..];
+        while !rest.is_empty() {
+            let mut n = 0;
+            let mut bytes = 0;
+            while n < rest.len() && (n == 0 || bytes + rest[n].len() <= group) {
+                bytes += rest[n].len();
+                n += 1;
+            }
+            let (now, later) = rest.split_at_mut(n);
+            self.read_exact_parts(now, at)?;
+            for piece in now.iter_mut() {
+                if let Some(i) = flip {
+                    match piece.get_mut(i) {
+                        Some(b) => {
+                            *b ^= 0x5a;
+                            flip = None;
+                        }
+                        None => flip = Some(i - piece.len()),
+                    }
+                }
+                arrived(piece);
+            }
+            at += bytes as u64;
+            rest = later;
+        }
+        Ok(())
+    }
+
+    /// Reads `parts`' total length at `offset` into `parts` in order, `preadv` after
+    /// `preadv` until every byte is in; anything less is an error of kind `Short`.
+    fn read_exact_parts(&self, parts: &mut [&mut [u8]], offset: u64) -> Result<(), IoKind> {
+        let mut iov: Vec<libc::iovec> = parts
+            .iter_mut()
+            .filter(|p| !p.is_empty())
+            .map(|p| libc::iovec {
+                iov_base: p.as_mut_ptr().cast(),
+                iov_len: p.len(),
+            })
+            .collect();
+        let mut first = 0;
+        let mut at = offset;
+        while first < iov.len() {
+            let batch = &iov[first..iov.len().min(first + IOV_MAX)];
+            let Ok(pos) = libc::off_t::try_from(at) else {
+                return Err(IoKind::Invalid);
+            };
+            // SAFETY: every iovec points into a distinct `&mut [u8]` of `parts`, borrowed
+            // exclusively for this call, with its length; the count is at most IOV_MAX.
+            let n = unsafe {
+                libc::preadv(
+                    self.file.as_raw_fd(),
+                    batch.as_ptr(),
+                    batch.len() as libc::c_int,
+                    pos,
+                )
+            };
+            let Ok(mut n) = usize::try_from(n) else {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(classify(&e));
+            };
+            if n == 0 {
+                return Err(IoKind::Short);
+            }
+            at += n as u64;
+            // Past the iovecs the read filled; a partly filled one continues where it
+            // stopped.
+            while n > 0 && first < iov.len() {
+                let v = &mut iov[first];
+                let step = n.min(v.iov_len);
+                // SAFETY: `step` is within the iovec's part, so the pointer stays in it.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(step) }.cast();
+                v.iov_len -= step;
+                n -= step;
+                if v.iov_len == 0 {
+                    first += 1;
+                }
             }
         }
         Ok(())

@@ -24,7 +24,9 @@
 //! # Failures
 //! Every read is checked on the I/O thread that made it (the index entry, the value's
 //! trailer, and the full checksum, summed in the copy out of the I/O buffer), the header
-//! in `value::decode_verified`; a bad block is a miss, counted, its slot freed. A failed write is a counted skip, a
+//! in `value::decode_verified` (the same checks on a header read apart, when the worker
+//! fetches straight into its CPU block: `reads.rs`); a bad block is a miss, counted, its
+//! slot freed. A failed write is a counted skip, a
 //! failed read a miss. [`DISABLE_AFTER_ERRORS`] failed I/Os in a row turn the tier off
 //! (one log line, the `disk_disabled` gauge); nothing waits on a failing disk.
 //!
@@ -42,6 +44,7 @@ mod journal;
 mod layout;
 mod options;
 mod reader;
+mod reads;
 mod recovery;
 mod slot_io;
 mod source;

@@ -13,8 +13,9 @@ use super::source::Source;
 use super::store::DiskStore;
 use crate::tier::value::{checksum_ok, copy_verified_into};
 
-/// Bytes of values kept for reuse (`recycle`): one fetch batch of 2 MiB blocks (the
-/// worker asks for 32 at a time), so a steady stream of fetches takes no fresh pages.
+/// Bytes of values kept for reuse (`recycle`): one batch of 32 blocks of 2 MiB read with
+/// `get` (`RemoteTier::fetch`; the worker's fetches read into its CPU blocks instead), so
+/// a steady stream of them takes no fresh pages.
 const KEPT_VALUE_BYTES: usize = 64 << 20;
 
 impl DiskStore {
@@ -55,7 +56,17 @@ impl DiskStore {
     }
 
     /// Whether slot `slot`'s entry commits to `value` (its length and trailer).
-    fn committed(&self, slot: u64, value: &[u8]) -> bool {
+    pub(super) fn committed(&self, slot: u64, value: &[u8]) -> bool {
+        let trailer = value
+            .get(value.len().saturating_sub(8)..)
+            .and_then(|t| <[u8; 8]>::try_from(t).ok())
+            .map(u64::from_le_bytes);
+        trailer.is_some_and(|t| self.commits(slot, t))
+    }
+
+    /// Whether slot `slot`'s entry commits to a value of the slot's length with this
+    /// trailer.
+    pub(super) fn commits(&self, slot: u64, trailer: u64) -> bool {
         let s = &self.shared;
         let geo = &s.geo;
         let mut raw = [0u8; ENTRY_BYTES];
@@ -63,14 +74,10 @@ impl DiskStore {
             Ok(()) => Entry::decode(&raw),
             Err(_) => None,
         };
-        let trailer = value
-            .get(value.len().saturating_sub(8)..)
-            .and_then(|t| <[u8; 8]>::try_from(t).ok())
-            .map(u64::from_le_bytes);
-        entry.is_some_and(|e| e.value_len == geo.value_len && Some(e.value_sum) == trailer)
+        entry.is_some_and(|e| e.value_len == geo.value_len && e.value_sum == trailer)
     }
 
-    fn buffer(&self) -> AlignedBuf {
+    pub(super) fn buffer(&self) -> AlignedBuf {
         let pooled = self
             .shared
             .buffers
@@ -80,7 +87,7 @@ impl DiskStore {
         pooled.unwrap_or_else(|| AlignedBuf::new(self.shared.geo.slot_bytes as usize))
     }
 
-    fn give_back(&self, buf: AlignedBuf) {
+    pub(super) fn give_back(&self, buf: AlignedBuf) {
         let mut pool = self
             .shared
             .buffers

@@ -22,7 +22,9 @@ use super::recovery::{matches_header, rebuild};
 use super::source::Source;
 use super::stats::{DiskSnapshot, DiskStats};
 use crate::tier::value::stored_hash;
-use crate::tier::{RemoteKey, RemoteStore, TierError, ValueParts};
+use crate::tier::{
+    BlockFill, Fill, LayoutFingerprint, RemoteKey, RemoteStore, TierError, ValueParts,
+};
 
 pub(super) struct Shared {
     pub(super) files: FileSet,
@@ -191,7 +193,7 @@ impl DiskStore {
     }
 
     /// Records a change in the journal, if there is one.
-    fn journal(&self, record: impl FnOnce(&mut Journal)) {
+    pub(super) fn journal(&self, record: impl FnOnce(&mut Journal)) {
         if let Some(j) = &self.shared.journal {
             record(&mut j.lock().unwrap_or_else(PoisonError::into_inner));
         }
@@ -224,7 +226,7 @@ impl DiskStore {
         Some(self.shared.geo.data_offset(slot))
     }
 
-    fn index(&self) -> MutexGuard<'_, SlotIndex> {
+    pub(super) fn index(&self) -> MutexGuard<'_, SlotIndex> {
         self.shared
             .index
             .lock()
@@ -260,11 +262,11 @@ impl DiskStore {
         }
     }
 
-    fn is_disabled(&self) -> bool {
+    pub(super) fn is_disabled(&self) -> bool {
         self.shared.disabled.load(Ordering::Acquire)
     }
 
-    fn update_resident(&self, index: &SlotIndex) {
+    pub(super) fn update_resident(&self, index: &SlotIndex) {
         DiskStats::set(&self.shared.stats.resident_blocks, index.resident());
     }
 
@@ -373,62 +375,17 @@ impl RemoteStore for DiskStore {
     }
 
     fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
-        if self.is_disabled() {
-            return keys.iter().map(|_| Ok(None)).collect();
-        }
-        let started = Instant::now();
-        let wanted: Vec<(u128, Option<u64>)> = {
-            let mut index = self.index();
-            keys.iter()
-                .map(|k| {
-                    let d = key_digest(k.as_str().as_bytes());
-                    (d, index.begin_read(d))
-                })
-                .collect()
-        };
-        let reads = self.parallel(&wanted, |&(_, slot)| slot.map(|s| self.read_slot(s)));
-        let s = &self.shared;
-        let mut index = self.index();
-        let mut out = Vec::with_capacity(keys.len());
-        for (&(digest, slot), read) in wanted.iter().zip(reads) {
-            let Some(slot) = slot else {
-                out.push(Ok(None));
-                continue;
-            };
-            index.end_read(slot);
-            match read {
-                Some(Ok(Some(value))) => {
-                    self.outcome(Ok(()));
-                    // A block a restart recovered is reported once read (or written).
-                    if let Some(h) = stored_hash(&value) {
-                        self.journal(|j| j.stored(slot, h));
-                    }
-                    DiskStats::add(&s.stats.reads, 1);
-                    DiskStats::add(&s.stats.bytes_read, s.geo.slot_bytes);
-                    out.push(Ok(Some(value)));
-                }
-                Some(Ok(None)) => {
-                    DiskStats::add(&s.stats.reads, 1);
-                    DiskStats::add(&s.stats.checksum_failures, 1);
-                    index.drop_slot(slot, digest);
-                    self.clear_entry(slot);
-                    self.journal(|j| j.removed(slot));
-                    out.push(Ok(None));
-                }
-                Some(Err(kind)) => {
-                    self.outcome(Err(kind));
-                    out.push(Err(TierError::Store {
-                        op: "get",
-                        reason: format!("disk read failed ({})", kind.name()),
-                    }));
-                }
-                None => out.push(Ok(None)),
-            }
-        }
-        self.update_resident(&index);
-        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-        DiskStats::add(&s.stats.read_micros, micros);
-        out
+        self.read_batch(keys, |_, slot| self.read_slot(slot), |v| stored_hash(v))
+    }
+
+    /// Straight into the destinations: one copy a block fewer than `get` and a copy.
+    fn get_into(
+        &mut self,
+        keys: &[RemoteKey],
+        fingerprint: LayoutFingerprint,
+        blocks: &mut [BlockFill<'_, '_>],
+    ) -> Vec<Result<Fill, TierError>> {
+        self.fill_batch(keys, fingerprint, blocks)
     }
 
     fn put(&mut self, entries: &[(RemoteKey, Vec<u8>)]) -> Vec<Result<(), TierError>> {

@@ -1,0 +1,203 @@
+//! Fetching blocks straight into the caller's memory (`RemoteTier::fetch_into`, the
+//! worker's path): byte-exact fills across a CPU block's slices with `O_DIRECT` and the
+//! page cache, and no block reported filled unless every check passed.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+
+use common::disk::{
+    block, fill_blocks, hash, options, store_blocks, tier, Scratch, FP, HASH_BYTES,
+};
+use offload_core::tier::disk::DiskStore;
+use offload_core::tier::value::encode;
+use offload_core::tier::{KeySpace, MemoryStore, RemoteStore, RemoteTier, StackedStore, TierStats};
+use offload_core::transfer::FaultPlan;
+
+/// A block size that is no multiple of 4 KiB (nor of 8).
+const ODD: usize = 5003;
+/// Slices of an `ODD` block: uneven, one of a single byte, across a 4 KiB edge.
+const CUTS: [usize; 4] = [1, 7, 4099, 4100];
+
+fn key(i: u32) -> offload_core::tier::RemoteKey {
+    KeySpace::new("test", FP).unwrap().key(&hash(i)).unwrap()
+}
+
+fn open(s: &Scratch, len: usize, page_cache: bool, faults: &str) -> DiskStore {
+    let mut o = options(&s.rank_path(), len, 16);
+    o.use_page_cache = page_cache;
+    o.faults = FaultPlan::parse(faults).unwrap();
+    o.io_threads = 1;
+    DiskStore::open(&o).unwrap()
+}
+
+#[test]
+fn fills_are_byte_exact_across_slices_direct_and_buffered() {
+    for page_cache in [false, true] {
+        for (len, cuts) in [(ODD, &CUTS[..]), (ODD, &[][..]), (2 * 4096, &[4096][..])] {
+            let s = Scratch::new("fill");
+            let store = open(&s, len, page_cache, "");
+            let mut t = tier(&store);
+            assert_eq!(store_blocks(&mut t, 0..6, len), 6);
+            let got = fill_blocks(&mut t, &[3, 0, 5, 1, 2, 4, 7], len, cuts);
+            assert_eq!(
+                got,
+                [
+                    Some(true),
+                    Some(true),
+                    Some(true),
+                    Some(true),
+                    Some(true),
+                    Some(true),
+                    None
+                ],
+                "len {len} cuts {cuts:?} page_cache {page_cache}"
+            );
+            let snap = store.snapshot();
+            assert_eq!((snap.reads, snap.checksum_failures), (6, 0));
+            let tier_snap = t.stats().snapshot();
+            assert_eq!((tier_snap.get_hits, tier_snap.get_misses), (6, 1));
+            assert_eq!(tier_snap.bytes_read, 6 * len as u64);
+            // Destinations of another block size: through `get`, rejected as `fetch` does.
+            assert_eq!(fill_blocks(&mut t, &[0], len - 1, &[]), [None]);
+            assert_eq!(t.stats().snapshot().corrupt_values, 1);
+        }
+    }
+}
+
+#[test]
+fn a_damaged_payload_header_or_trailer_is_never_reported_filled() {
+    for page_cache in [false, true] {
+        let s = Scratch::new("fill-corrupt");
+        let mut store = open(&s, ODD, page_cache, "");
+        let mut t = tier(&store);
+        assert_eq!(store_blocks(&mut t, 0..4, ODD), 4);
+        // Block 4's key holds a sound value of block 9: every checksum holds, the header
+        // names another block.
+        let stray = encode(FP, &hash(9), &[&block(9, ODD)]);
+        assert!(store.put(&[(key(4), stray)])[0].is_ok());
+        let data = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.data_path())
+            .unwrap();
+        let at = |i: u32| store.offset_of(&key(i)).unwrap();
+        // A payload byte, in the second slice.
+        data.write_all_at(&[0x00], at(0) + 32 + HASH_BYTES as u64 + 3000)
+            .unwrap();
+        // A header byte (the fingerprint).
+        data.write_all_at(&[0x77], at(1) + 10).unwrap();
+        // The trailer.
+        data.write_all_at(&[0x42; 8], at(2) + 32 + HASH_BYTES as u64 + ODD as u64)
+            .unwrap();
+        let got = fill_blocks(&mut t, &[0, 1, 2, 3, 4], ODD, &CUTS);
+        assert_eq!(
+            got,
+            [None, None, None, Some(true), None],
+            "page_cache {page_cache}"
+        );
+        let snap = store.snapshot();
+        // Three caught by the store's checks, the stray value by the header's hash; all
+        // four slots freed.
+        assert_eq!(snap.checksum_failures, 4);
+        assert_eq!(snap.resident_blocks, 1);
+        assert_eq!(t.stats().snapshot().corrupt_values, 1);
+        for i in [0, 1, 2, 4] {
+            assert!(store.offset_of(&key(i)).is_none(), "block {i}'s slot freed");
+        }
+        // A truncated file: a short read, not a fill.
+        data.set_len(0).unwrap();
+        assert_eq!(fill_blocks(&mut t, &[3], ODD, &CUTS), [None]);
+        assert_eq!(store.snapshot().errors_short, 1);
+        assert_eq!(t.stats().snapshot().failed_keys, 1);
+    }
+}
+
+#[test]
+fn injected_read_faults_are_unfilled_and_counted() {
+    for page_cache in [false, true] {
+        let s = Scratch::new("fill-faults");
+        let faults = "disk_read_eio_every=3,disk_short_read_every=4,disk_corrupt_read_every=5";
+        let store = open(&s, ODD, page_cache, faults);
+        let mut t = tier(&store);
+        assert_eq!(store_blocks(&mut t, 0..6, ODD), 6);
+        // Reads 3 (EIO), 4 (short) and 5 (a flipped byte) fail; the rest are exact.
+        let got = fill_blocks(&mut t, &[0, 1, 2, 3, 4], ODD, &CUTS);
+        assert_eq!(
+            got,
+            [Some(true), Some(true), None, None, None],
+            "page_cache {page_cache}"
+        );
+        let snap = store.snapshot();
+        assert_eq!(
+            (snap.errors_eio, snap.errors_short, snap.checksum_failures),
+            (1, 1, 1)
+        );
+        assert_eq!(t.stats().snapshot().failed_keys, 2);
+    }
+}
+
+#[test]
+fn a_store_without_its_own_fill_fills_through_get() {
+    let remote = MemoryStore::default();
+    let keys = KeySpace::new("test", FP).unwrap();
+    let mut t = RemoteTier::new(Box::new(remote.clone()), keys, Default::default());
+    let blocks: Vec<_> = (0..3u32).map(|i| (hash(i), vec![block(i, ODD)])).collect();
+    assert_eq!(t.store(&blocks).unwrap(), 3);
+    // Block 1 damaged in the store: the default fill sums it (the memory store does not).
+    let mut bad = encode(FP, &hash(1), &[&block(1, ODD)]);
+    bad[100] ^= 1;
+    remote.set_raw(key(1), bad);
+    let got = fill_blocks(&mut t, &[0, 1, 2, 5], ODD, &CUTS);
+    assert_eq!(got, [Some(true), None, Some(true), None]);
+    let snap = t.stats().snapshot();
+    assert_eq!(
+        (snap.get_hits, snap.corrupt_values, snap.get_misses),
+        (2, 1, 1)
+    );
+}
+
+#[test]
+fn stacked_fills_come_from_the_disk_then_the_remote_store() {
+    let s = Scratch::new("fill-stack");
+    let store = open(&s, ODD, false, "");
+    let remote = MemoryStore::default();
+    let stacked = StackedStore::new(Box::new(store.clone()), Box::new(remote.clone()));
+    let stats = std::sync::Arc::new(TierStats::default());
+    let mut t = RemoteTier::new(Box::new(stacked), KeySpace::new("test", FP).unwrap(), stats);
+    assert_eq!(store_blocks(&mut t, 0..2, ODD), 2);
+    remote.set_raw(key(9), encode(FP, &hash(9), &[&block(9, ODD)]));
+    let got = fill_blocks(&mut t, &[0, 9, 1, 8], ODD, &CUTS);
+    assert_eq!(got, [Some(true), Some(true), Some(true), None]);
+    assert_eq!(store.snapshot().reads, 2, "the disk served its own blocks");
+}
+
+#[test]
+fn a_block_read_in_several_groups_is_exact_and_every_group_is_verified() {
+    // Larger than the page cache path's read group (256 KiB), no multiple of 4 KiB, its
+    // slices cut across group edges: bytes damaged in a later group are caught too.
+    let len = 3 * (256 << 10) + ODD;
+    let cuts = [100, 300_000, 700_000];
+    for page_cache in [false, true] {
+        let s = Scratch::new("fill-groups");
+        let store = open(&s, len, page_cache, "");
+        let mut t = tier(&store);
+        assert_eq!(store_blocks(&mut t, 0..3, len), 3);
+        let data = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.data_path())
+            .unwrap();
+        let payload = |i: u32| store.offset_of(&key(i)).unwrap() + 32 + HASH_BYTES as u64;
+        data.write_all_at(&[0x01], payload(1) + len as u64 - 10)
+            .unwrap();
+        data.write_all_at(&[0x02], payload(2) + (256 << 10) + 50)
+            .unwrap();
+        assert_eq!(
+            fill_blocks(&mut t, &[0, 1, 2], len, &cuts),
+            [Some(true), None, None],
+            "page_cache {page_cache}"
+        );
+        assert_eq!(store.snapshot().checksum_failures, 2);
+    }
+}
