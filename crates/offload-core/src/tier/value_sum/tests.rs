@@ -32,8 +32,8 @@ fn bytes(n: usize, mul: u32) -> Vec<u8> {
 
 #[test]
 fn known_answers_pin_the_definition() {
-    // Computed once by this code and checked against an independent transcription of the
-    // module doc's definition (Python); a change here is a new value format.
+    // The same figures as `scripts/value_sum_reference.py`, an independent transcription
+    // of the module doc's definition; a change here is a new value format.
     let cases: [(u64, usize, u64); 6] = [
         (0, 0, 0x329f_2a2c_aabd_df51),
         (0, 1, 0x53d2_20dc_f764_ac03),
