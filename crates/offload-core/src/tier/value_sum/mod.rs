@@ -28,7 +28,9 @@
 //! an adversary: whoever can write to a store can write a valid value.
 //! - Length: the byte count is the merge's first input and `R` is a bijection of `h` for a
 //!   fixed lane and of the lane for a fixed `h`, so two inputs of different lengths with
-//!   equal lanes never collide; zero padding of the last stripe is therefore not invisible.
+//!   equal lanes never collide (zero padding of the last stripe is not invisible); when
+//!   the lanes differ too (a truncation usually drops words), a collision is the ~2^-64
+//!   case below, not excluded by construction.
 //! - One changed word: the word is added raw into the neighbour lane `j ^ 1`, and every
 //!   later step on a lane (adding terms that do not depend on the lane, the scramble: an
 //!   xorshift, an xor and a multiply by an odd number) is a bijection of that lane, so lane
