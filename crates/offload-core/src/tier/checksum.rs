@@ -1,4 +1,9 @@
-//! A fast 64-bit checksum for stored values and layout fingerprints.
+//! A 64-bit checksum for layout fingerprints, key digests and the disk index's entries
+//! and header; stored values (format 2 on) use `value_sum`, which SIMD units run faster.
+//!
+//! This one stays as it is: it names remote keys (through the layout fingerprint) and
+//! disk slots (through key digests), so a change would orphan every stored block, and it
+//! only ever sums a few hundred bytes, where speed does not matter.
 //!
 //! It guards against accidents (a truncated or bit-flipped value, a value written by other
 //! code under the same key), not against an adversary: who can write to the store can

@@ -7,8 +7,8 @@
 //! that its payload fills in order; a store that can read into them (the disk tier) saves
 //! the copy out of a value of its own.
 
-use super::checksum::Checksum;
 use super::value::{decode, decode_verified, ValueError, CHECKSUM_SEED, TRAILER, VERIFY_PIECE};
+use super::value_sum::ValueSum;
 use super::{LayoutFingerprint, RemoteKey, RemoteStore, TierError};
 
 /// One block to fetch into the caller's memory: its hash (as the value must carry it) and
@@ -114,7 +114,7 @@ pub(crate) fn copy_verified_scatter(
     }
     let (body, trailer) = value.split_at(value.len() - TRAILER);
     let (header, mut payload) = body.split_at(header_len);
-    let mut sum = Checksum::new(CHECKSUM_SEED);
+    let mut sum = ValueSum::new(CHECKSUM_SEED);
     sum.update(header);
     for part in parts.iter_mut() {
         let (from, rest) = payload.split_at(part.len());
@@ -129,11 +129,11 @@ pub(crate) fn copy_verified_scatter(
 
 /// The checksum of a value read in pieces (its header, the payload's slices), fed a
 /// piece at a time as each arrives, so it reads bytes still in cache.
-pub(crate) struct PieceSum(Checksum);
+pub(crate) struct PieceSum(ValueSum);
 
 impl PieceSum {
     pub(crate) fn new() -> Self {
-        Self(Checksum::new(CHECKSUM_SEED))
+        Self(ValueSum::new(CHECKSUM_SEED))
     }
 
     /// Adds the next piece of the value's body (everything before its trailer).

@@ -63,6 +63,7 @@ mod redis;
 mod stack;
 mod stats;
 pub mod value;
+mod value_sum;
 mod worker;
 mod writer;
 

@@ -38,7 +38,10 @@ const FILE_MAGIC: &[u8; 8] = b"KVOFDISK";
 /// 2: a digest's set is picked by a multiply-shift, not a remainder (a division costs as
 /// much as the rest of an in-memory lookup). A version-1 file keeps its blocks in other
 /// sets: its header no longer matches, so it is wiped at start, never read.
-const FILE_VERSION: u32 = 2;
+/// 3: the values in the slots are value format 2 (another checksum); a version-2 file
+/// holds format-1 values this build would only fail one by one, counted as checksum
+/// failures, so it is wiped at start instead. The file's own layout is unchanged.
+const FILE_VERSION: u32 = 3;
 const ENTRY_MAGIC: &[u8; 4] = b"KVDE";
 const ENTRY_SEED: u64 = 0x6b76_6469_736b_656e;
 const DIGEST_SEEDS: [u64; 2] = [0x6469_736b_6b65_7931, 0x6469_736b_6b65_7932];
