@@ -353,6 +353,10 @@ class OffloadScheduler:
         self._planner.reset()
         if self._events is not None:
             self._events.reset()
+            if self._disk_events is not None and self._cpu_events_published:
+                # The CPU tier's AllBlocksCleared tells routers to forget the disk's
+                # blocks too; they stay there and are served.
+                self._disk_events.cpu_cleared()
         if self._walker is not None:
             self._walker.reset()
         return True
