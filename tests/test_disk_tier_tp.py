@@ -4,7 +4,8 @@ backend, one worker process per rank).
 One script runs vLLM without kvoffload, then kvoffload with Simple's disk config, then a
 small CPU pool in front of a small disk with KV events on, read back through vLLM's ZMQ
 replay socket: each rank writes its own shard of a block, and the scheduler announces the
-block on disk only once both ranks reported it there.
+block on disk only once both ranks reported it there; a reset of the CPU tier
+(``reset_connector``) announces the disk's blocks again.
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ SCRIPT = textwrap.dedent(
                 reset_gpu_prefix_cache(llm)
                 again = generate(llm, prompts)
                 hits = cpu_hit_tokens(llm)
+                reset = {{}}
+                if phase.get("reset"):
+                    # The CPU tier emptied as well: its blocks still on disk are read again.
+                    before = llm.collective_rpc(disk_stats)
+                    reset_gpu_prefix_cache(llm, connector=True)
+                    reset = dict(again=generate(llm, prompts), reads=[
+                        b["disk_reads"] - a["disk_reads"]
+                        for a, b in zip(before, llm.collective_rpc(disk_stats))
+                    ])
                 if phase.get("evict"):
                     # New blocks past the disk's capacity: it evicts older ones.
                     generate(llm, distinct_prompts(6, 640, seed=8))
@@ -79,7 +89,7 @@ SCRIPT = textwrap.dedent(
                     time.sleep(1)
                     events = [event(e) for e in replay_events(f"tcp://127.0.0.1:{{replay}}", 60)]
             results[phase["name"]] = dict(
-                first=first, again=again, hits=hits, ranks=ranks, during=during,
+                first=first, again=again, hits=hits, reset=reset, ranks=ranks, during=during,
                 after=sorted(os.listdir(disk_dir)), events=events,
             )
         print("RESULT", json.dumps(results))
@@ -101,6 +111,7 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             "extra": _disk(cpu_disk, cpu_bytes_to_use=SMALL_CPU, disk_capacity_bytes=SMALL_DISK),
             "disk_dir": str(cpu_disk),
             "events": True,
+            "reset": True,
             "evict": True,
         },
     ]
@@ -163,3 +174,30 @@ def test_tensor_parallel_disk_blocks_are_announced_after_their_cpu_event_and_rem
     assert len(set(storage)) <= min(rank["disk_writes"] for rank in r["ranks"]), r["ranks"]
     assert removed, ("the disk evicted nothing", r["ranks"])
     assert len(set(removed)) <= min(rank["disk_evictions"] for rank in r["ranks"]), r["ranks"]
+
+
+def test_tensor_parallel_a_cpu_reset_announces_the_disk_again(runs: dict[str, Any]) -> None:
+    """``reset_prefix_cache(reset_connector=True)``: the CPU tier's ``AllBlocksCleared``
+    (no medium) is followed by the STORAGE announcements of every block on both ranks'
+    disks, which then serve the prompts token-identically."""
+    r = runs["cpu_disk"]
+    assert r["reset"]["again"] == runs["reference"]
+    assert all(n > 0 for n in r["reset"]["reads"]), r["reset"]["reads"]
+    events = r["events"]
+    # The last clear: the connector's, after the GPU pool's in the same batch.
+    last = max(i for i, e in enumerate(events) if e["kind"] == "AllBlocksCleared")
+    on_disk: set[str] = set()
+    for e in events[:last]:
+        if e["medium"] == "STORAGE":
+            if e["kind"] == "BlockStored":
+                on_disk.update(e["hashes"])
+            else:
+                on_disk.difference_update(e["hashes"])
+    again = {
+        h
+        for e in events[last:]
+        if e["medium"] == "STORAGE" and e["kind"] == "BlockStored"
+        for h in e["hashes"]
+    }
+    assert on_disk, "nothing was announced on disk before the reset"
+    assert on_disk <= again, len(on_disk - again)

@@ -125,11 +125,12 @@ def drain(llm: Any, max_steps: int = 500) -> None:
     raise AssertionError("connector copies did not drain")
 
 
-def reset_gpu_prefix_cache(llm: Any, max_steps: int = 500) -> None:
+def reset_gpu_prefix_cache(llm: Any, max_steps: int = 500, *, connector: bool = False) -> None:
     """Empties vLLM's GPU prefix cache, stepping the engine while connector copies
-    (which may hold GPU blocks) drain."""
+    (which may hold GPU blocks) drain; with ``connector``, the connector's cache too
+    (``reset_connector``, at every try)."""
     for _ in range(max_steps):
-        if llm.reset_prefix_cache():
+        if llm.reset_prefix_cache(reset_connector=connector):
             return
         llm.llm_engine.step()
     raise AssertionError("GPU prefix cache could not be reset")
