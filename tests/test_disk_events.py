@@ -124,6 +124,38 @@ def test_simples_disk_mode_publishes_the_disk_not_the_staging_memory(
         rank.shutdown()
 
 
+def test_a_cpu_reset_announces_the_blocks_still_on_disk_again_after_its_clear(
+    model: Path, tmp_path: Path, rank_zero: None
+) -> None:
+    """``reset_prefix_cache(reset_connector=True)`` empties the CPU tier, whose
+    ``AllBlocksCleared`` (no medium) has a router forget the disk's blocks too; the disk
+    keeps them, so they are announced again (STORAGE) right after the clear, in the same
+    batch, with their first announcement's hashes and tokens."""
+    from sched_harness import Rank
+
+    h = SchedHarness(model, events=True, num_cpu_blocks=8, extra=_disk(tmp_path))
+    rank = Rank(h.scheduler.vllm_config, 1)
+    try:
+        _serve(h, rank, h.prompt(3))
+        disk = _medium(h.events, "BlockStored", "STORAGE")
+        assert len(disk) == 3
+        h.events.clear()
+        assert h.scheduler.reset_prefix_cache(reset_connector=True)
+        h.step()
+        batch = h.events
+        assert [type(e).__name__ for e in batch] == ["AllBlocksCleared"] + ["BlockStored"] * 3
+        again = batch[1:]
+        assert [e.medium for e in again] == ["STORAGE"] * 3
+        assert _hashes(again) == _hashes(disk)
+        assert [list(e.token_ids) for e in again] == [list(e.token_ids) for e in disk]
+        assert [e.parent_block_hash for e in again] == [e.parent_block_hash for e in disk]
+        assert h.offload._disk_events.num_announced == 3
+        h.step()
+        assert len(h.events) == 4, "announced once after the clear"
+    finally:
+        rank.shutdown()
+
+
 def _meta(i: int) -> Any:
     from kvoffload.vllm_adapter import BlockMeta
 
@@ -172,3 +204,27 @@ def test_a_block_is_announced_once_every_rank_holds_it_and_removed_when_one_drop
     log.cpu_published(1, bytes([2]) * 16, _meta(2))
     assert [e.block_hashes for e in log.take()] == [[bytes([2]) * 32]]
     assert log.num_announced == 1
+
+
+def test_events_not_taken_before_a_cpu_reset_are_replaced_by_what_the_disk_holds() -> None:
+    """A STORAGE event still buffered at the reset would follow the clear: a block
+    stored then is announced once, a block removed then not at all."""
+    from kvoffload._native import tier_block_hash
+    from kvoffload.disk_events import DiskEventLog
+    from kvoffload.vllm_adapter import EventSpec
+
+    log = DiskEventLog(4, [EventSpec("full_attention", None)], 1)
+    keys = [tier_block_hash(0, bytes([i]) * 16) for i in (1, 2, 3)]
+    for i in (1, 2, 3):
+        log.cpu_published(0, bytes([i]) * 16, _meta(i))
+    log.reports([(0, keys[0] + keys[1], b"")])
+    assert len(log.take()) == 2
+    log.reports([(0, keys[2], keys[1])])
+    log.cpu_cleared()
+    again = log.take()
+    assert [(e.medium, e.block_hashes) for e in again] == [
+        ("STORAGE", [bytes([1]) * 32]),
+        ("STORAGE", [bytes([3]) * 32]),
+    ]
+    assert again[0].token_ids == [1] * 4
+    assert log.take() == []

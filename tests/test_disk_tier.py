@@ -9,14 +9,13 @@ token for token with vLLM without kvoffload; disk files live in a temporary dire
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_harness import TENSOR_PARALLEL_ENV, run_script
+from vllm_harness import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -420,67 +419,3 @@ def test_a_second_engine_on_the_same_disk_path_is_refused_at_start(
     finally:
         first.shutdown()
     Rank(h.scheduler.vllm_config, 1).shutdown()
-
-
-TP_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    sys.path.insert(0, {tests!r})
-    from vllm_harness import (
-        cpu_hit_tokens, distinct_prompts, engine, generate, reset_gpu_prefix_cache,
-        shared_prefix_prompts,
-    )
-
-    def disk_stats(worker):
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        return dict(get_kv_transfer_group().offload_worker.tier.stats())
-
-    if __name__ == "__main__":
-        prompts = shared_prefix_prompts(4, 4)
-        args = dict(distributed_executor_backend="mp", tensor_parallel_size=2, max_num_seqs=2)
-        with engine({model!r}, **args) as llm:
-            reference = generate(llm, prompts)
-        cfg = {{
-            "kv_connector": "KVOffloadConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {extra!r},
-        }}
-        with engine({model!r}, cfg, **args) as llm:
-            first = generate(llm, prompts)
-            # More blocks than host memory stages: the prompts' blocks are read from disk.
-            generate(llm, distinct_prompts(6, 640, seed=7))
-            reset_gpu_prefix_cache(llm)
-            again = generate(llm, prompts)
-            hits = cpu_hit_tokens(llm)
-            ranks = llm.collective_rpc(disk_stats)
-            during = sorted(os.listdir({disk_dir!r}))
-        after = sorted(os.listdir({disk_dir!r}))
-        print("RESULT", json.dumps(dict(reference=reference, first=first, again=again,
-                                        hits=hits, ranks=ranks, during=during, after=after)))
-    """
-)
-
-
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 binds two CPU cores")
-def test_tensor_parallel_ranks_each_serve_their_own_disk_files(
-    tiny_model: Path, tmp_path: Path
-) -> None:
-    """Simple's disk config with tensor_parallel_size=2: one file set per rank, each rank
-    writes and reads its own shard, token-identical to the same engine without kvoffload,
-    nothing left after a clean shutdown."""
-    script = TP_SCRIPT.format(
-        tests=str(Path(__file__).parent),
-        model=str(tiny_model),
-        extra=_disk(tmp_path),
-        disk_dir=str(tmp_path),
-    )
-    r = run_script(script, TENSOR_PARALLEL_ENV)
-    assert r["first"] == r["reference"]
-    assert r["again"] == r["reference"]
-    assert r["hits"] > 0
-    assert r["during"] == ["kv.rank_0", "kv.rank_0.idx", "kv.rank_1", "kv.rank_1.idx"]
-    for rank in r["ranks"]:
-        assert rank["disk_writes"] > 0, rank
-        assert rank["disk_reads"] > 0, rank
-    assert r["after"] == []

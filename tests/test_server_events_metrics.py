@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,15 @@ from typing import Any
 
 import pytest
 
-from vllm_harness import BLOCK_TOKENS, KV_CACHE_BYTES, offload_config, shared_prefix_prompts
+from vllm_harness import (
+    BLOCK_TOKENS,
+    KV_CACHE_BYTES,
+    free_port,
+    kv_events_zmq,
+    offload_config,
+    replay_events,
+    shared_prefix_prompts,
+)
 
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
@@ -34,12 +41,6 @@ STOP_TIMEOUT_S = 30.0
 #: Distinct 5-block prompts: more than the GPU cache (31 blocks) holds, and more than the
 #: CPU pool (twice the GPU cache) holds, so both evict.
 NUM_PROMPTS = 14
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
@@ -111,12 +112,7 @@ def server(
         model = build_sliding_window_llama(tiny_model, path, request.param)
     port, events_port, replay_port = free_port(), free_port(), free_port()
     kv_transfer = offload_config(cpu_bytes_to_use=2 * KV_CACHE_BYTES)
-    kv_events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{events_port}",
-        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
-    }
+    kv_events = kv_events_zmq(events_port, replay_port)
     cmd = [
         sys.executable,
         "-m",
@@ -165,33 +161,8 @@ def server(
             stop(proc)
 
 
-def replay_events(endpoint: str) -> list[Any]:
-    """Every event batch the server published, through vLLM's replay protocol."""
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
-
-    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVTIMEO, int(REQUEST_TIMEOUT_S * 1000))
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send_multipart((b"", (0).to_bytes(8, "big")))
-        events: list[Any] = []
-        while True:
-            _, _topic, seq, payload = sock.recv_multipart()
-            if seq == ZmqEventPublisher.END_SEQ:
-                return events
-            events.extend(decoder.decode(payload).events)
-    finally:
-        sock.close()
-        ctx.term()
-
-
 def test_cpu_events_name_blocks_vllm_published_for_the_gpu(server: Server) -> None:
-    events = replay_events(server.replay)
+    events = replay_events(server.replay, REQUEST_TIMEOUT_S)
     gpu: dict[tuple[int, Any], list[int]] = {}
     gpu_kinds: dict[int, str] = {}
     cpu_stored: list[Any] = []

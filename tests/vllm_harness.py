@@ -125,11 +125,12 @@ def drain(llm: Any, max_steps: int = 500) -> None:
     raise AssertionError("connector copies did not drain")
 
 
-def reset_gpu_prefix_cache(llm: Any, max_steps: int = 500) -> None:
+def reset_gpu_prefix_cache(llm: Any, max_steps: int = 500, *, connector: bool = False) -> None:
     """Empties vLLM's GPU prefix cache, stepping the engine while connector copies
-    (which may hold GPU blocks) drain."""
+    (which may hold GPU blocks) drain; with ``connector``, the connector's cache too
+    (``reset_connector``, at every try)."""
     for _ in range(max_steps):
-        if llm.reset_prefix_cache():
+        if llm.reset_prefix_cache(reset_connector=connector):
             return
         llm.llm_engine.step()
     raise AssertionError("GPU prefix cache could not be reset")
@@ -175,3 +176,47 @@ def run_script(script: str, env: dict[str, str]) -> dict[str, Any]:
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
     return dict(json.loads(line[len("RESULT ") :]))
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kv_events_zmq(events_port: int, replay_port: int) -> dict[str, Any]:
+    """vLLM's ZMQ KV-event publisher on the loopback interface, with its replay socket."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{events_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }
+
+
+def replay_events(endpoint: str, timeout_s: float) -> list[Any]:
+    """Every event batch an engine published, through vLLM's replay protocol."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        events: list[Any] = []
+        while True:
+            _, _topic, seq, payload = sock.recv_multipart()
+            if seq == ZmqEventPublisher.END_SEQ:
+                return events
+            events.extend(decoder.decode(payload).events)
+    finally:
+        sock.close()
+        ctx.term()

@@ -171,6 +171,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             stores_after_forward=sync and host,
             groups=kv_group_kinds(kv_cache_config),
             remote_layout=layout,
+            split_hit_sources=self._split_hit_sources,
         )
         self._route_calls(self._scheduler)
         logger.info(

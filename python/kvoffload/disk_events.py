@@ -15,6 +15,10 @@ on CPU, which is before any rank writes it behind (:class:`DiskEventLog`).
 - It is removed (``BlockRemoved``, ``"STORAGE"``) when the first rank reports it gone:
   evicted, failed a check, or the tier turned itself off after repeated I/O errors (then
   every block it announced is removed, one event per group).
+- The CPU tier's reset (``reset_cache``) publishes ``AllBlocksCleared``, an event without
+  a medium: a router forgets every block, those on disk too. The disk keeps its blocks
+  (lookups still find them), so every block every rank holds is announced again right
+  after that event, in the same batch (:meth:`DiskEventLog.cpu_cleared`).
 - vLLM's own aggregation of workers' events (``KVConnectorOutput.kv_cache_events``) keeps
   only events every worker reported in the same step; ranks write behind at their own
   pace, so their reports are counted here across steps instead.
@@ -23,7 +27,8 @@ Blocks a restart recovered (``disk_persist``) are announced once a read or a wri
 them there and the CPU tier published them (a fetch publishes them on CPU first).
 Memory on the scheduler: the snapshot of each block published on CPU until its disk write
 is reported (at most ``MAX_PENDING``; a dropped write's snapshot ages out), and per block on
-disk its hash and which ranks hold it.
+disk which ranks hold it and, once all do, its snapshot (to announce it again after a
+reset).
 """
 
 from __future__ import annotations
@@ -79,8 +84,9 @@ class DiskEventLog:
         self._pending: OrderedDict[bytes, tuple[int, BlockMeta]] = OrderedDict()
         # Tier key -> bit mask of the ranks that reported the block on disk.
         self._holders: dict[bytes, int] = {}
-        # Tier key -> (group, published hash) of announced blocks.
-        self._announced: dict[bytes, tuple[int, Any]] = {}
+        # Tier key -> (group, snapshot) of announced blocks, in announcement order (a
+        # parent before its children, as they were written).
+        self._announced: dict[bytes, tuple[int, BlockMeta]] = {}
         self._out: list[Any] = []
 
     @property
@@ -115,7 +121,7 @@ class DiskEventLog:
                     self._holders.pop(tk, None)
                 announced = self._announced.pop(tk, None)
                 if announced is not None:
-                    removed.setdefault(announced[0], []).append(announced[1])
+                    removed.setdefault(announced[0], []).append(announced[1].block_hash)
             for group, hashes in removed.items():
                 self._out.append(block_removed(hashes, group, storage=True))
             for tk in _keys(stored):
@@ -128,11 +134,18 @@ class DiskEventLog:
         entry = self._pending.pop(tk, None)
         if entry is None:
             return
-        group, meta = entry
-        self._announced[tk] = (group, meta.block_hash)
-        self._out.append(
-            block_stored(meta, self._block_size, self._specs[group], group, storage=True)
-        )
+        self._announced[tk] = entry
+        self._out.append(self._stored(*entry))
+
+    def _stored(self, group: int, meta: BlockMeta) -> Any:
+        return block_stored(meta, self._block_size, self._specs[group], group, storage=True)
+
+    def cpu_cleared(self) -> None:
+        """The CPU tier was reset and publishes ``AllBlocksCleared`` (no medium) before
+        this log's next events: every block still announced on disk is announced again
+        after it. Events not taken yet are dropped: their blocks' state is what the
+        announcements say (a removed block is no longer announced, a stored one is)."""
+        self._out = [self._stored(group, meta) for group, meta in self._announced.values()]
 
     def take(self) -> list[Any]:
         out, self._out = self._out, []

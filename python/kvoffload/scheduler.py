@@ -45,6 +45,7 @@ class OffloadScheduler:
         stores_after_forward: bool = False,
         groups: list[tuple[str, int | None]] | None = None,
         remote_layout: dict[str, Any] | None = None,
+        split_hit_sources: bool = False,
     ) -> None:
         self._planner_args: dict[str, Any] = {
             "world_size": config.world_size,
@@ -62,6 +63,8 @@ class OffloadScheduler:
         self._remote_writes = self._remote_layout is not None and config.writes_lower
         # The disk alone below the CPU: the lower tier's counters are reported as disk_*.
         self._disk_alone = config.disk is not None and config.remote is None
+        # The connector splits each hit into host and disk tokens (`lower_tier_tokens`).
+        self._split_hit_sources = split_hit_sources
         self._use_planner(self._new_planner(num_cpu_blocks))
         self._async_loads = not sync_loads
         self._stores_after_forward = stores_after_forward
@@ -99,7 +102,7 @@ class OffloadScheduler:
         # Holds GPU blocks an eager store reads that vLLM frees from running requests
         # (sliding-window and Mamba groups).
         self._holder: GpuBlockHolder | None = None
-        #: With a tier below the CPU: each request's last hit offered (its tokens).
+        #: When hits are split by source: each request's last hit offered (its tokens).
         self._offered_hits: dict[str, int] = {}
         if not self._lazy:
             # Nothing is offered between steps: vLLM's per-step call goes to the reports.
@@ -132,6 +135,8 @@ class OffloadScheduler:
         # Fixed for a planner's life; read every step.
         self._reads_requests = planner.reads_scheduled_requests
         self._has_remote = planner.has_remote
+        # Only a hit with a tier below the CPU can be split.
+        self._records_hits = self._split_hit_sources and self._has_remote
 
     def _new_planner(self, num_cpu_blocks: int) -> Planner:
         planner = Planner(self._block_size, num_cpu_blocks, **self._planner_args)
@@ -171,7 +176,7 @@ class OffloadScheduler:
             return None, False
         if not hit:
             return 0, False  # a constant: most lookups allocate nothing (see `IDLE_STEP`)
-        if self._has_remote:
+        if self._records_hits:
             self._offered_hits[req_id] = hit
         return hit, self._async_loads
 
@@ -353,6 +358,10 @@ class OffloadScheduler:
         self._planner.reset()
         if self._events is not None:
             self._events.reset()
+            if self._disk_events is not None and self._cpu_events_published:
+                # The CPU tier's AllBlocksCleared tells routers to forget the disk's
+                # blocks too; they stay there and are served.
+                self._disk_events.cpu_cleared()
         if self._walker is not None:
             self._walker.reset()
         return True
