@@ -1,0 +1,32 @@
+"""The value checksum's definition, as its module doc states it, against the Rust code:
+``scripts/value_sum_reference.py`` (a Python transcription of the doc) must reproduce the
+known answers ``value_sum``'s unit test pins for every kernel, so neither the doc nor
+the code can change alone."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import value_sum_reference  # noqa: E402
+
+RUST_TESTS = REPO / "crates/offload-core/src/tier/value_sum/tests.rs"
+
+
+def pinned_cases() -> list[tuple[int, int, int]]:
+    body = RUST_TESTS.read_text().split("fn known_answers_pin_the_definition", 1)[1]
+    body = body.split("];", 1)[0]
+    cases = re.findall(r"\(\s*(0x[0-9a-f_]+|\d+),\s*(\d+),\s*(0x[0-9a-f_]+)\s*\)", body)
+    return [(int(s.replace("_", ""), 0), int(n), int(v.replace("_", ""), 0)) for s, n, v in cases]
+
+
+def test_the_reference_reproduces_every_known_answer_the_rust_code_pins() -> None:
+    cases = pinned_cases()
+    assert len(cases) == 6, cases
+    for seed, length, expected in cases:
+        data = value_sum_reference.pattern(length, 2654435761)
+        assert value_sum_reference.value_sum(seed, data) == expected, (seed, length)
