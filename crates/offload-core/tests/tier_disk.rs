@@ -143,6 +143,21 @@ fn a_second_engine_on_the_same_path_is_refused() {
 }
 
 #[test]
+fn an_unusable_disk_path_is_refused_naming_the_key_and_the_path() {
+    // A parent that cannot be created: /proc takes no new directories, even for root.
+    let o = options(
+        std::path::Path::new("/proc/kvoffload-absent/kv.rank_0"),
+        ODD,
+        8,
+    );
+    let err = DiskStore::open(&o).unwrap_err();
+    assert!(matches!(err, DiskError::Open { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("disk_path"), "{msg}");
+    assert!(msg.contains("/proc/kvoffload-absent"), "{msg}");
+}
+
+#[test]
 fn corrupted_and_truncated_blocks_are_counted_misses_and_free_their_slot() {
     // Both read paths verify: O_DIRECT in the copy out of the aligned buffer, buffered
     // in the value the kernel filled.

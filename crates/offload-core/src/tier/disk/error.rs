@@ -9,8 +9,9 @@ use thiserror::Error;
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
 pub enum DiskError {
-    /// A file could not be opened or created.
-    #[error("disk tier: cannot open {path}: {reason}")]
+    /// A file could not be opened or created (named with the key it comes from, so an
+    /// operator knows which setting to change).
+    #[error("disk tier: cannot open {path} (disk_path): {reason}")]
     Open {
         /// The file.
         path: PathBuf,
