@@ -10,8 +10,11 @@ drops it) are checked on :class:`kvoffload.disk_events.DiskEventLog` directly.
 from __future__ import annotations
 
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from sched_harness import SchedHarness
 
@@ -149,6 +152,7 @@ def test_a_cpu_reset_announces_the_blocks_still_on_disk_again_after_its_clear(
         assert _hashes(again) == _hashes(disk)
         assert [list(e.token_ids) for e in again] == [list(e.token_ids) for e in disk]
         assert [e.parent_block_hash for e in again] == [e.parent_block_hash for e in disk]
+        assert again == disk, "field by field"
         assert h.offload._disk_events.num_announced == 3
         h.step()
         assert len(h.events) == 4, "announced once after the clear"
@@ -228,3 +232,81 @@ def test_events_not_taken_before_a_cpu_reset_are_replaced_by_what_the_disk_holds
     ]
     assert again[0].token_ids == [1] * 4
     assert log.take() == []
+
+
+@pytest.mark.parametrize("hash_kind", ["bytes", "int"])
+def test_a_block_announced_again_after_a_reset_equals_its_first_announcement(
+    hash_kind: str,
+) -> None:
+    """The packed snapshot gives back every field: vLLM's hashes as bytes or as ints
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), token ids past 256 and past 32 bits, LoRA
+    and extra keys, a lazy store's block without tokens or parent."""
+    from kvoffload._native import tier_block_hash
+    from kvoffload.disk_events import DiskEventLog
+    from kvoffload.vllm_adapter import BlockMeta, EventSpec
+
+    def block_hash(i: int) -> Any:
+        raw = bytes([i, 0xFF]) * 16
+        return raw if hash_kind == "bytes" else int.from_bytes(raw[:8], "big")
+
+    metas = [
+        BlockMeta(block_hash(1), None, [0, 255, 256, 151_000], None, None, None),
+        BlockMeta(
+            block_hash(2),
+            block_hash(1),
+            [2**31 - 1, -(2**31), 7, 2**40],
+            3,
+            "adapter",
+            (("lora", "adapter"), ("mm", "img-0", 5), ("salt", "s")),
+        ),
+        BlockMeta(block_hash(3), None, [], None, None, None),
+    ]
+    log = DiskEventLog(4, [EventSpec("full_attention", None), EventSpec("sliding_window", 8)], 1)
+    keys = b""
+    for i, meta in enumerate(metas):
+        group = i % 2
+        log.cpu_published(group, bytes([i]) * 16, meta)
+        keys += tier_block_hash(group, bytes([i]) * 16)
+    log.reports([(0, keys, b"")])
+    first = log.take()
+    assert len(first) == 3
+    log.cpu_cleared()
+    again = log.take()
+    assert again == first
+    for a, b in zip(again, first, strict=True):
+        assert [type(h) for h in a.block_hashes] == [type(h) for h in b.block_hashes]
+        assert type(a.parent_block_hash) is type(b.parent_block_hash)
+    assert again[1].extra_keys == [("adapter", ("img-0", 5), "s")]
+
+
+def test_an_announced_block_is_kept_packed() -> None:
+    """What a million-block disk costs the scheduler: per announced block one entry with
+    the hashes, the tokens packed as 4-byte integers (no ``BlockMeta``, no list of ints).
+    The bound (bytes traced per 16-token block with 32-byte hashes, all of them kept only
+    by the log) is generous: a ``BlockMeta`` kept as published costs about 1 KB."""
+    from kvoffload._native import tier_block_hash
+    from kvoffload.disk_events import DiskEventLog
+    from kvoffload.vllm_adapter import BlockMeta, EventSpec
+
+    n = 5000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        log = DiskEventLog(16, [EventSpec("full_attention", None)], 1)
+        parent = None
+        for i in range(n):
+            block = i.to_bytes(32, "little")
+            tokens = [1000 + (i * 16 + t) % 150_000 for t in range(16)]
+            log.cpu_published(0, block[:16], BlockMeta(block, parent, tokens, None, None, None))
+            log.reports([(0, tier_block_hash(0, block[:16]), b"")])
+            log.take()
+            parent = block
+        del block, parent, tokens
+        per_block = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    assert log.num_announced == n
+    assert per_block < 512, f"{per_block:.0f} bytes per announced block"
+    held = list(log._disk.values())
+    assert len(held) == n
+    assert all(type(h.token_ids) is bytes and len(h.token_ids) == 64 for h in held)
