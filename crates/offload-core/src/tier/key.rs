@@ -67,8 +67,10 @@ pub fn parse_kv_cache_version(value: &ConfigValue) -> Result<String, ConfigError
     }
 }
 
-/// Bumped when the key layout changes, so old and new engines never read each other.
-const KEY_VERSION: &str = "v1";
+/// Bumped when the key layout or the value format changes, so old and new engines never
+/// read each other: in a rolling upgrade on one shared store, each would otherwise reject
+/// the other's values as another format and overwrite them (v2: value format 2).
+const KEY_VERSION: &str = "v2";
 
 /// Everything that decides what a KV block's bytes mean on one rank.
 ///
@@ -187,7 +189,7 @@ pub fn sharing_problem(hash_algo: &str, pythonhashseed_set: bool) -> Option<Stri
     })
 }
 
-/// Builds the keys of one engine rank: `{namespace}:v1:{fingerprint}:{hash}` in hex.
+/// Builds the keys of one engine rank: `{namespace}:v2:{fingerprint}:{hash}` in hex.
 ///
 /// Keys carry no `{...}` hash tag, so Redis Cluster spreads blocks over all masters.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -377,12 +379,22 @@ mod tests {
     }
 
     #[test]
+    fn the_key_version_follows_the_value_format() {
+        // A new value format under old keys would have engines of both builds reject and
+        // overwrite each other's values on one shared store.
+        assert_eq!(
+            KEY_VERSION,
+            format!("v{}", crate::tier::value::FORMAT_VERSION)
+        );
+    }
+
+    #[test]
     fn keys_are_namespaced_hex_without_hash_tags() {
         let ks = KeySpace::new("prod-a", layout().fingerprint()).unwrap();
         let key = ks.key(&[0xab, 0x01, 0xff]).unwrap();
         assert_eq!(
             key.as_str(),
-            format!("prod-a:v1:{}:ab01ff", layout().fingerprint())
+            format!("prod-a:v2:{}:ab01ff", layout().fingerprint())
         );
         assert!(!key.as_str().contains('{'));
         let other = KeySpace::new("prod-b", layout().fingerprint()).unwrap();
