@@ -52,7 +52,7 @@ fn capacity_is_reserved_and_never_exceeded_with_lru_eviction() {
     let o = options(&s.rank_path(), ODD, 4);
     let store = DiskStore::open(&o).unwrap();
     let on_disk = |store: &DiskStore| {
-        std::fs::metadata(store.data_path()).unwrap().len()
+        store.open_data_file().unwrap().metadata().unwrap().len()
             + std::fs::metadata(store.index_path()).unwrap().len()
     };
     assert!(on_disk(&store) <= o.capacity_bytes);
@@ -95,6 +95,8 @@ fn without_persist_files_are_emptied_at_start_and_removed_at_shutdown() {
     assert_eq!(s.files(), ["kv.rank_0", "kv.rank_0.idx"]);
     o.persist = false;
     let store = DiskStore::open(&o).unwrap();
+    // Open, the data file has no name any more (tier_disk_unlinked.rs).
+    assert_eq!(s.files(), ["kv.rank_0.idx"]);
     assert_eq!(store.snapshot().recovered_blocks, 0);
     assert_eq!(
         fetch_blocks(&mut tier(&store), &[0, 1, 2], ODD),
@@ -168,10 +170,7 @@ fn corrupted_and_truncated_blocks_are_counted_misses_and_free_their_slot() {
         let store = DiskStore::open(&o).unwrap();
         let mut t = tier(&store);
         assert_eq!(store_blocks(&mut t, 0..3, ODD), 3);
-        let data = std::fs::OpenOptions::new()
-            .write(true)
-            .open(store.data_path())
-            .unwrap();
+        let data = store.open_data_file().unwrap();
         // A flipped payload byte: caught by the full checksum.
         let at = store.offset_of(&key(0)).unwrap();
         data.write_all_at(&[0xff, 0x00, 0xff], at + 2000).unwrap();
@@ -239,10 +238,7 @@ fn values_encoded_into_io_buffers_and_reused_read_buffers_serve_exact_bytes_only
         // Given back: a valid value of block 1, and garbage.
         store.recycle(v1.clone());
         store.recycle(vec![0x5a; 3 * v0.len()]);
-        let data = std::fs::OpenOptions::new()
-            .write(true)
-            .open(store.data_path())
-            .unwrap();
+        let data = store.open_data_file().unwrap();
         data.write_all_at(&[0xff; 3], store.offset_of(&key(2)).unwrap() + 3000)
             .unwrap();
         for _ in 0..3 {
@@ -271,10 +267,7 @@ fn a_half_written_block_is_never_served_after_restart() {
     {
         let store = DiskStore::open(&o).unwrap();
         assert_eq!(store_blocks(&mut tier(&store), 0..3, ODD), 3);
-        let data = std::fs::OpenOptions::new()
-            .write(true)
-            .open(store.data_path())
-            .unwrap();
+        let data = store.open_data_file().unwrap();
         // Block 0: the entry committed, the data only half there (a crash mid-write).
         let at = store.offset_of(&key(0)).unwrap();
         data.write_all_at(&vec![0u8; slot_bytes / 2], at + slot_bytes as u64 / 2)
@@ -432,10 +425,7 @@ fn changes_name_every_block_that_came_onto_the_disk_and_left_it() {
         let c = store.take_changes();
         assert_eq!((c.stored, c.removed), (vec![hash(4)], vec![hash(0)]));
         // A block that fails its check leaves the disk.
-        let data = std::fs::OpenOptions::new()
-            .write(true)
-            .open(store.data_path())
-            .unwrap();
+        let data = store.open_data_file().unwrap();
         data.write_all_at(&[0xff; 3], store.offset_of(&key(1)).unwrap() + 2000)
             .unwrap();
         assert_eq!(fetch_blocks(&mut t, &[1], ODD), [None]);

@@ -78,10 +78,7 @@ fn a_damaged_payload_header_or_trailer_is_never_reported_filled() {
         // names another block.
         let stray = encode(FP, &hash(9), &[&block(9, ODD)]);
         assert!(store.put(&[(key(4), stray)])[0].is_ok());
-        let data = std::fs::OpenOptions::new()
-            .write(true)
-            .open(store.data_path())
-            .unwrap();
+        let data = store.open_data_file().unwrap();
         let at = |i: u32| store.offset_of(&key(i)).unwrap();
         // A payload byte, in the second slice.
         data.write_all_at(&[0x00], at(0) + 32 + HASH_BYTES as u64 + 3000)
@@ -184,10 +181,7 @@ fn a_block_read_in_several_groups_is_exact_and_every_group_is_verified() {
         let store = open(&s, len, page_cache, "");
         let mut t = tier(&store);
         assert_eq!(store_blocks(&mut t, 0..3, len), 3);
-        let data = std::fs::OpenOptions::new()
-            .write(true)
-            .open(store.data_path())
-            .unwrap();
+        let data = store.open_data_file().unwrap();
         let payload = |i: u32| store.offset_of(&key(i)).unwrap() + 32 + HASH_BYTES as u64;
         data.write_all_at(&[0x01], payload(1) + len as u64 - 10)
             .unwrap();

@@ -151,6 +151,15 @@ impl DataFile {
         self.file.sync_all()
     }
 
+    /// The same file opened again for buffered reads and writes, through its descriptor
+    /// (`/proc/self/fd`), so it opens whether or not the file still has a name.
+    pub(crate) fn reopen(&self) -> io::Result<File> {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+    }
+
     /// Reads `buf.len()` bytes at `offset`; anything less is an error of kind `Short`.
     pub(crate) fn read(
         &self,
@@ -315,13 +324,31 @@ impl FileSet {
         }
     }
 
-    /// Removes both files; absent ones are fine.
-    pub(crate) fn remove(&self) {
-        for p in [&self.data, &self.idx] {
+    /// Removes the index file and, when `data_named`, the data file; absent ones are fine.
+    pub(crate) fn remove(&self, data_named: bool) {
+        let data = data_named.then_some(&self.data);
+        for p in data.into_iter().chain([&self.idx]) {
             if let Err(e) = std::fs::remove_file(p) {
                 if e.kind() != io::ErrorKind::NotFound {
                     log::warn!("kvoffload disk tier: cannot remove {}: {e}", p.display());
                 }
+            }
+        }
+    }
+
+    /// Removes the data file's name while it is open, so the kernel frees its reserved
+    /// space when the last descriptor closes, however the process ends (a force-killed
+    /// worker runs no destructor). Whether the name is gone; a failure is logged and the
+    /// file is then removed at shutdown as before.
+    pub(crate) fn unlink_data(&self) -> bool {
+        match std::fs::remove_file(&self.data) {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!(
+                    "kvoffload disk tier: cannot unlink {} (removed at shutdown instead): {e}",
+                    self.data.display()
+                );
+                false
             }
         }
     }

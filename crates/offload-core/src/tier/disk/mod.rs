@@ -17,9 +17,15 @@
 //! Each rank owns `<disk_path>.rank_<N>` (data, `layout.rs` explains the slots) and
 //! `<...>.idx` (entries), the index locked exclusively while open, so a second engine on
 //! the same `disk_path` is refused at start.
-//! Without `disk_persist` the files are emptied at start and removed at shutdown, as
-//! Simple does; with it they stay, and the next engine rebuilds its index from the
-//! entries (blocks of another layout or capacity are wiped, never served).
+//! Without `disk_persist` the files are emptied at start, and the data file's name is
+//! removed as soon as it is open and its space reserved: the open descriptor keeps it
+//! usable, and the kernel frees the space when the worker dies, however it dies (vLLM's
+//! default `--shutdown-timeout 0` force-kills it, so no destructor may run). The index
+//! keeps its name (it holds the lock, and the scheduler's [`DiskProbe`] opens it by path)
+//! and is removed at shutdown; a force kill leaves only it (64 B per slot and 4 KiB),
+//! emptied by the next engine on the path. With `disk_persist` both files stay, and the
+//! next engine rebuilds its index from the entries (blocks of another layout or capacity
+//! are wiped, never served).
 //!
 //! # Failures
 //! Every read is checked on the I/O thread that made it (the index entry, the value's

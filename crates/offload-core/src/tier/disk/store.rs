@@ -35,6 +35,9 @@ pub(super) struct Shared {
     pub(super) stats: Arc<DiskStats>,
     pub(super) faults: DiskFaults,
     pub(super) persist: bool,
+    /// Whether the data file still has its name (with `persist`, or when unlinking it
+    /// failed); without it only the index file is removed at shutdown.
+    pub(super) data_named: bool,
     pub(super) io_threads: usize,
     /// The threads a batch's I/Os run on, started once.
     pub(super) io: IoPool,
@@ -54,7 +57,7 @@ pub(super) struct Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         if !self.persist {
-            self.files.remove();
+            self.files.remove(self.data_named);
         } else if let Err(e) = self.idx.sync_all().and_then(|()| fsync(&self.data)) {
             log::warn!(
                 "kvoffload disk tier: cannot sync {}: {e}",
@@ -132,6 +135,11 @@ impl DiskStore {
         file::reserve(&idx, &files.idx, geo.idx_file_bytes())?;
         file::reserve(data.file(), &files.data, geo.data_file_bytes())?;
         let data = data.checked(&files.data)?;
+        // Without persist nothing is ever read back from another process, so the data file
+        // needs no name once open and checked: unlinked, its reserved space goes back to
+        // the file system when the worker dies, even by SIGKILL. The index keeps its
+        // name: it holds the lock and the scheduler's probe opens it by path.
+        let data_named = opts.persist || !files.unlink_data();
         DiskStats::set(&stats.buffered_io, u64::from(!data.is_direct()));
         if !kept {
             use std::os::unix::fs::FileExt;
@@ -158,6 +166,7 @@ impl DiskStore {
                 stats,
                 faults: DiskFaults::new(opts.faults),
                 persist: opts.persist,
+                data_named,
                 io_threads: opts.io_threads.max(1),
                 io: IoPool::new(opts.io_threads.max(1)),
                 consecutive_errors: AtomicU64::new(0),
@@ -209,9 +218,19 @@ impl DiskStore {
         self.shared.geo.slots
     }
 
-    /// The data file's path.
+    /// The path the data file was created at (`<disk_path>.rank_<N>`), as errors and
+    /// logs name it. Without `persist` the name is removed as soon as the file is open
+    /// (the space is freed when the process ends, however it ends), so nothing may be
+    /// there: use [`Self::open_data_file`] to reach the live file.
     pub fn data_path(&self) -> &Path {
         &self.shared.files.data
+    }
+
+    /// The live data file opened again for buffered reads and writes, named or not (for
+    /// tests and tools that inspect or damage blocks on purpose, at
+    /// [`Self::offset_of`]).
+    pub fn open_data_file(&self) -> std::io::Result<File> {
+        self.shared.data.reopen()
     }
 
     /// The index file's path.
