@@ -1,7 +1,9 @@
 //! Disk tier bandwidth against the device's raw sequential speed (what `dd iflag=direct
 //! bs=4M` measures) and a Python loop doing Simple's one-`preadv`-at-a-time reads with two
 //! buffer slots, all in one run on the same files, for several block sizes, with
-//! `O_DIRECT` and with the page cache (`use_page_cache`); plus the checksum's share of a
+//! `O_DIRECT` and with the page cache (`use_page_cache`), and against raw reads at the
+//! tier's own access pattern (slot-sized calls in shuffled order, as many in flight as the
+//! tier's I/O threads); plus the checksum's share of a
 //! read, the in-memory index at scale (lookups/s, host bytes per block) and the index
 //! rebuild at restart.
 //!
@@ -27,8 +29,8 @@ use std::time::Instant;
 
 use common::Rng;
 use disk_support::{
-    env_u64, hash, median, python_simple_loop, raw, shuffled, thread_cpu_seconds, tier, tier_read,
-    tier_write, CpuBlocks, Obj, RAW_CHUNK,
+    env_u64, hash, median, python_simple_loop, raw, raw_slots, shuffled, thread_cpu_seconds, tier,
+    tier_read, tier_write, CpuBlocks, Obj, RAW_CHUNK,
 };
 use offload_core::tier::disk::{DiskOptions, DiskStore, Placement, SlotIndex, DEFAULT_IO_THREADS};
 use offload_core::tier::value::{checksum_ok, copy_verified, encode, encoded_len};
@@ -38,13 +40,14 @@ const RUNS: usize = 5;
 const BATCH: usize = 32;
 const FP: LayoutFingerprint = LayoutFingerprint(0xbe9c);
 
-const NAMES: [&str; 6] = [
+const NAMES: [&str; 7] = [
     "raw_write",
     "tier_write",
     "raw_read",
     "tier_read_seq",
     "tier_read_shuffled",
     "python_simple_read",
+    "raw_read_slots",
 ];
 
 /// The tier's I/O threads (reads in flight per batch): `KVOFFLOAD_BENCH_IO_THREADS`, the
@@ -58,7 +61,7 @@ fn io_threads() -> usize {
 }
 
 /// Every figure of one block size and I/O mode.
-fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f64; 6]) {
+fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f64; 7]) {
     let n = (total / block as u64).max(BATCH as u64);
     let value = encoded_len(16, block) as u64;
     let slot = value.div_ceil(4096) * 4096;
@@ -94,13 +97,14 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
             .collect();
         runs[4].push(tier_read(&mut t, &cpu, &order, block, BATCH));
         runs[5].push(python_simple_loop(&py_path, py_block, n, direct));
+        runs[6].push(raw_slots(&raw_path, raw_len, slot, opts.io_threads, direct));
     }
     let direct_io = store.is_direct();
     drop(t);
     drop(store);
     let _ = std::fs::remove_file(&raw_path);
     let _ = std::fs::remove_file(&py_path);
-    let mut med = [0.0; 6];
+    let mut med = [0.0; 7];
     let mut medians = Obj::default();
     let mut all = Obj::default();
     for (i, (name, v)) in NAMES.iter().zip(runs.iter_mut()).enumerate() {
@@ -113,7 +117,9 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
         .num("read_shuffled_vs_raw", med[4] / med[2])
         .num("write_vs_raw", med[1] / med[0])
         .num("read_vs_python_simple", med[3] / med[5])
-        .num("read_shuffled_vs_python_simple", med[4] / med[5]);
+        .num("read_shuffled_vs_python_simple", med[4] / med[5])
+        .num("read_seq_vs_raw_slots", med[3] / med[6])
+        .num("read_shuffled_vs_raw_slots", med[4] / med[6]);
     let out = Obj::default()
         .num("block_bytes", block as f64)
         .text("mode", if page_cache { "page_cache" } else { "direct" })

@@ -7,6 +7,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -97,6 +98,35 @@ pub(crate) fn raw(path: &Path, len: u64, write: bool, direct: bool) -> f64 {
         off += RAW_CHUNK as u64;
     }
     len as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// GB/s of reads of `slot`-byte pieces of `path` in a shuffled order, `threads` in flight
+/// (as the tier spreads a batch over its I/O threads), nothing copied or checked: what
+/// the device gives the tier's access pattern. Blocks sit in the sets their hashes pick,
+/// so the tier never reads neighbouring slots in one call, however a prompt's blocks
+/// follow each other; on a device whose speed depends on the call's size this, not the
+/// 4 MiB sequential read, bounds the tier.
+pub(crate) fn raw_slots(path: &Path, len: u64, slot: u64, threads: usize, direct: bool) -> f64 {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(if direct { libc::O_DIRECT } else { 0 })
+        .open(path)
+        .expect("open raw file");
+    let order = shuffled(len / slot, 11);
+    let next = AtomicUsize::new(0);
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1) {
+            s.spawn(|| {
+                let mut buf = Aligned::new(slot as usize);
+                while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let n = f.read_at(buf.buf(slot as usize), i * slot).expect("raw io");
+                    assert_eq!(n, slot as usize, "raw io short");
+                }
+            });
+        }
+    });
+    (order.len() as u64 * slot) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
 /// GB/s of the Python copy of Simple's read loop over `n` blocks of `path`.
