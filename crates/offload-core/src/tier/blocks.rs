@@ -245,12 +245,6 @@ impl RemoteTier {
         }
     }
 
-    /// Gives a fetched block's buffer back to the store once its payload has been copied
-    /// where it goes, so the next fetch reuses it (see [`RemoteStore::recycle`]).
-    pub fn recycle(&mut self, block: FetchedBlock) {
-        self.store.recycle(block.value);
-    }
-
     /// Writes blocks in one round trip; returns how many were written. Each block is its
     /// hash and its bytes in parts (one slice per layer region, concatenated). Errors as
     /// for [`Self::probe_chain`].

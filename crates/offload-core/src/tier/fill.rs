@@ -55,7 +55,7 @@ pub enum Fill {
 
 /// [`RemoteStore::get_into`] through [`RemoteStore::get`]: each value decoded (its
 /// checksum computed unless the store verified it), its payload copied into the
-/// destination, the value given back to the store.
+/// destination.
 pub(crate) fn through_get<S: RemoteStore + ?Sized>(
     store: &mut S,
     keys: &[RemoteKey],
@@ -74,15 +74,13 @@ pub(crate) fn through_get<S: RemoteStore + ?Sized>(
             let Some(value) = value else {
                 return Fill::Missing;
             };
-            let fill = match decode(&value, fingerprint, block.hash, block.len()) {
+            match decode(&value, fingerprint, block.hash, block.len()) {
                 Ok(payload) => {
                     scatter(payload, &mut block.parts);
                     Fill::Filled
                 }
                 Err(e) => Fill::Rejected(e),
-            };
-            store.recycle(value);
-            fill
+            }
         }));
     }
     out

@@ -128,13 +128,6 @@ pub trait RemoteStore: Send {
         self.put(&encoded)
     }
 
-    /// Takes back a value [`Self::get`] returned once its bytes are no longer needed, so a
-    /// store that keeps read buffers (the disk tier) reuses the allocation instead of
-    /// taking fresh pages for the next read. The default drops it.
-    fn recycle(&mut self, value: Vec<u8>) {
-        drop(value);
-    }
-
     /// Told that the values under `keys` failed verification: a store that can free their
     /// space (the disk tier) does. The default keeps them (a shared store's values may be
     /// another engine's business).

@@ -119,11 +119,6 @@ impl RemoteStore for StackedStore {
         either_took(near, far, entries.len())
     }
 
-    /// To the near store, the one that reads into buffers of its own.
-    fn recycle(&mut self, value: Vec<u8>) {
-        self.near.recycle(value);
-    }
-
     fn discard(&mut self, keys: &[RemoteKey]) {
         self.near.discard(keys);
         self.far.discard(keys);

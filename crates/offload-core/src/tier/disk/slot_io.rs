@@ -1,6 +1,6 @@
 //! One slot's I/O for [`DiskStore`]: reading and checking a block, writing it and its
-//! entry, erasing an entry, the reused buffers (aligned I/O buffers, and the values
-//! reads hand out), and a batch's I/Os spread over the store's threads.
+//! entry, erasing an entry, the reused aligned I/O buffers, and a batch's I/Os spread
+//! over the store's threads.
 
 use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
@@ -11,12 +11,7 @@ use super::layout::{Entry, ENTRY_BYTES};
 use super::recovery::read_entry;
 use super::source::Source;
 use super::store::DiskStore;
-use crate::tier::value::{checksum_ok, copy_verified_into};
-
-/// Bytes of values kept for reuse (`recycle`): one batch of 32 blocks of 2 MiB read with
-/// `get` (`RemoteTier::fetch`; the worker's fetches read into its CPU blocks instead), so
-/// a steady stream of them takes no fresh pages.
-const KEPT_VALUE_BYTES: usize = 64 << 20;
+use crate::tier::value::{checksum_ok, copy_verified};
 
 impl DiskStore {
     /// Reads one slot and checks its bytes against the entry's commitment (length and the
@@ -28,31 +23,24 @@ impl DiskStore {
         let geo = &s.geo;
         let offset = geo.data_offset(slot);
         let len = geo.value_len as usize;
-        let mut value = self.take_value();
         if !s.data.is_direct() {
             // Buffered I/O needs no aligned buffer: the kernel copies from the page cache
-            // straight into the value handed out (a reused one, its pages already mapped),
-            // and the checksum reads bytes that copy just left in the cache.
-            value.resize(len, 0);
+            // straight into the value handed out, and the checksum reads bytes that copy
+            // just left in the cache.
+            let mut value = vec![0u8; len];
             let read = s.data.read(&mut value, offset, &s.faults);
-            if read.is_ok() && self.committed(slot, &value) && checksum_ok(&value) {
-                return Ok(Some(value));
-            }
-            self.keep_value(value);
-            return read.map(|()| None);
+            let good = read.is_ok() && self.committed(slot, &value) && checksum_ok(&value);
+            return read.map(|()| good.then_some(value));
         }
         let mut buf = self.buffer();
         let read = s.data.read(buf.as_mut_slice(), offset, &s.faults);
         let raw = &buf.as_slice()[..len];
         // `O_DIRECT` leaves the bytes in memory, not in cache: summed in the copy out of
         // the aligned buffer, not in a pass of their own.
-        let good = read.is_ok() && self.committed(slot, raw) && copy_verified_into(raw, &mut value);
+        let committed = read.is_ok() && self.committed(slot, raw);
+        let value = if committed { copy_verified(raw) } else { None };
         self.give_back(buf);
-        if good {
-            return Ok(Some(value));
-        }
-        self.keep_value(value);
-        read.map(|()| None)
+        read.map(|()| value)
     }
 
     /// Whether slot `slot`'s entry commits to `value` (its length and trailer).
@@ -95,35 +83,6 @@ impl DiskStore {
             .unwrap_or_else(PoisonError::into_inner);
         if pool.len() < 2 * self.shared.io_threads {
             pool.push(buf);
-        }
-    }
-
-    /// A reused value (its contents stale: the caller overwrites all of them) or an empty
-    /// one.
-    fn take_value(&self) -> Vec<u8> {
-        let pooled = self
-            .shared
-            .values
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
-        pooled.unwrap_or_default()
-    }
-
-    /// Keeps `value`'s allocation for a later read, up to [`KEPT_VALUE_BYTES`]; one too
-    /// small to hold a value is dropped.
-    pub(super) fn keep_value(&self, value: Vec<u8>) {
-        let len = self.shared.geo.value_len as usize;
-        if value.capacity() < len {
-            return;
-        }
-        let mut pool = self
-            .shared
-            .values
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if (pool.len() + 1) * len <= KEPT_VALUE_BYTES.max(len) {
-            pool.push(value);
         }
     }
 

@@ -49,9 +49,6 @@ pub(super) struct Shared {
     /// Slot-sized aligned buffers, reused: allocating and zeroing one per I/O costs as
     /// much as a fast device's read.
     pub(super) buffers: Mutex<Vec<AlignedBuf>>,
-    /// Values `get` handed out and the caller gave back (`recycle`), reused for the next
-    /// reads: a fresh allocation per block takes a page fault per 4 KiB as it is filled.
-    pub(super) values: Mutex<Vec<Vec<u8>>>,
 }
 
 impl Drop for Shared {
@@ -176,7 +173,6 @@ impl DiskStore {
                     .report_changes
                     .then(|| Mutex::new(Journal::new(geo.slots))),
                 buffers: Mutex::new(Vec::new()),
-                values: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -419,10 +415,6 @@ impl RemoteStore for DiskStore {
         let sources: Vec<(&RemoteKey, Source<'_>)> =
             entries.iter().map(|(k, v)| (k, Source::Parts(v))).collect();
         self.write_batch(&sources)
-    }
-
-    fn recycle(&mut self, value: Vec<u8>) {
-        self.keep_value(value);
     }
 
     fn discard(&mut self, keys: &[RemoteKey]) {
