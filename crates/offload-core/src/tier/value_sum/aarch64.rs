@@ -1,4 +1,4 @@
-//! The value checksum's stripe loop in NEON (every little-endian aarch64 CPU): the
+//! The value checksum's stripe loop in NEON (little-endian aarch64 with NEON): the
 //! portable definition, 2 lanes per 128-bit register, the 8 lanes in 4 registers kept
 //! there for a whole call and stored once.
 //!
@@ -27,15 +27,16 @@ use super::{Keys, Lanes, LANES, SCRAMBLE_PRIME, STRIPE, STRIPES_PER_BLOCK};
 /// Words per NEON register.
 const WORDS: usize = 2;
 
-/// The NEON kernel (NEON is part of every aarch64 CPU and of the target's baseline
-/// features, so there is nothing for the caller to promise).
+/// The NEON kernel (`mod.rs` compiles this file only where the target's baseline has
+/// NEON, so there is nothing for the caller to promise).
 pub(super) fn neon_stripes(state: &mut Lanes, keys: &Keys, data: &[u8]) {
-    // SAFETY: the intrinsics need NEON, which the target's baseline has. Every pointer read
-    // or written stays in bounds: `acc` is an array of 8 words, read and written as 4 pairs;
-    // `keys` holds 24 words and the loads take pairs at `stripe + 0..8` with `stripe < 16`
-    // and at `16 + 0..8`; each stripe is a `chunks_exact` piece of 64 bytes, read as 4 loads
-    // of 16 bytes. `u64` loads and stores go through `&[u64]` pointers (aligned); the data
-    // is loaded as bytes, which needs no alignment.
+    // SAFETY: the intrinsics need NEON, which the target's baseline has (this module is
+    // compiled only under `cfg(target_feature = "neon")`). Every pointer read or written
+    // stays in bounds: `acc` is an array of 8 words, read and written as 4 pairs; `keys`
+    // holds 24 words and the loads take pairs at `stripe + 0..8` with `stripe < 16` and at
+    // `16 + 0..8`; each stripe is a `chunks_exact` piece of 64 bytes, read as 4 loads of 16
+    // bytes. `u64` loads and stores go through `&[u64]` pointers (aligned); the data is
+    // loaded as bytes, which needs no alignment.
     unsafe {
         let acc_ptr = state.acc.as_mut_ptr();
         let mut acc: [uint64x2_t; LANES / WORDS] =

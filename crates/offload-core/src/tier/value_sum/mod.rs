@@ -6,8 +6,10 @@
 //! remote tier), so the sum is defined on bytes alone, never on the instruction set: the
 //! portable code below is the reference, and the SIMD kernels are checked against it on
 //! random lengths, alignments and splits: SSE2 and AVX2 on x86_64 (picked once at run
-//! time), NEON on little-endian aarch64 (part of every such CPU, so nothing to detect;
-//! big-endian aarch64 and other targets run the portable kernel).
+//! time), NEON on little-endian aarch64 (compiled where the target has the `neon`
+//! feature, as every aarch64 Linux target does, so nothing to detect at run time;
+//! big-endian or NEON-less aarch64 targets and other architectures run the portable
+//! kernel).
 //!
 //! # How the NEON kernel is tested
 //! `cargo test` runs on the build machine's CPU, an x86_64 one here, where the NEON kernel
@@ -60,7 +62,11 @@
 //!   keys, and blocks are separated by the scramble, so order matters): a miss is not
 //!   proven impossible; its probability is about 2^-64 per corrupted value.
 
-#[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+#[cfg(all(
+    target_arch = "aarch64",
+    target_endian = "little",
+    target_feature = "neon"
+))]
 mod aarch64;
 #[cfg(test)]
 mod known_answers;
@@ -102,13 +108,17 @@ type Keys = [u64; KEYS];
 /// root is this module's parent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kernel {
-    /// The reference; where a SIMD kernel always runs (x86_64, little-endian aarch64), only
-    /// tests run it.
+    /// The reference; where a SIMD kernel always runs (x86_64, little-endian aarch64 with
+    /// NEON), only tests run it.
     #[cfg_attr(
         all(
             any(
                 target_arch = "x86_64",
-                all(target_arch = "aarch64", target_endian = "little")
+                all(
+                    target_arch = "aarch64",
+                    target_endian = "little",
+                    target_feature = "neon"
+                )
             ),
             not(test)
         ),
@@ -120,9 +130,14 @@ pub(super) enum Kernel {
     /// Only made by [`Kernel::detect`] after the CPU reported AVX2.
     #[cfg(target_arch = "x86_64")]
     Avx2,
-    /// Every little-endian aarch64 CPU has NEON (Advanced SIMD is part of the architecture
-    /// and of the target's baseline), so nothing is detected.
-    #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+    /// Compiled only for targets whose baseline has NEON (every aarch64 Linux target:
+    /// Advanced SIMD is part of ARMv8-A), so every CPU the build runs on has it and
+    /// nothing is detected.
+    #[cfg(all(
+        target_arch = "aarch64",
+        target_endian = "little",
+        target_feature = "neon"
+    ))]
     Neon,
 }
 
@@ -148,13 +163,21 @@ impl Kernel {
             }
             Self::Sse2
         }
-        #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+        #[cfg(all(
+            target_arch = "aarch64",
+            target_endian = "little",
+            target_feature = "neon"
+        ))]
         {
             Self::Neon
         }
         #[cfg(not(any(
             target_arch = "x86_64",
-            all(target_arch = "aarch64", target_endian = "little")
+            all(
+                target_arch = "aarch64",
+                target_endian = "little",
+                target_feature = "neon"
+            )
         )))]
         Self::Portable
     }
@@ -170,7 +193,11 @@ impl Kernel {
             // said this CPU has AVX2 (and tests make it only under the same check).
             #[cfg(target_arch = "x86_64")]
             Self::Avx2 => unsafe { x86::avx2_stripes(state, keys, data) },
-            #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+            #[cfg(all(
+                target_arch = "aarch64",
+                target_endian = "little",
+                target_feature = "neon"
+            ))]
             Self::Neon => aarch64::neon_stripes(state, keys, data),
         }
     }

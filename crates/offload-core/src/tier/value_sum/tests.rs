@@ -14,7 +14,11 @@ fn kernels() -> Vec<Kernel> {
             all.push(Kernel::Avx2);
         }
     }
-    #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+    #[cfg(all(
+        target_arch = "aarch64",
+        target_endian = "little",
+        target_feature = "neon"
+    ))]
     all.push(Kernel::Neon);
     all
 }
