@@ -618,7 +618,10 @@ def disk_tier_table() -> str:
         "with the page cache it sums each ~256 KiB the kernel's copy just put in the CPU "
         f"block ({ck['checksum_in_cache_gbps']:.1f} GB/s in cache). The sums run on the I/O "
         "threads, beside other blocks' I/O, so a read's wall time pays less than this "
-        "share where a core is free; the column is the share if none were.",
+        "share where a core is free; the column is the share if none were. The sums are "
+        "this x86_64 machine's (the SSE2/AVX2 kernels); aarch64 runs a NEON kernel, checked "
+        "to give the same sums under qemu (`scripts/check_value_sum_aarch64.sh`) but never "
+        "timed on ARM hardware.",
     ]
     ix = d.get("index")
     if ix:

@@ -2,7 +2,7 @@
 """The value checksum (value format 2) transcribed from its definition, independently of
 the Rust code: ``crates/offload-core/src/tier/value_sum/mod.rs``'s module doc.
 
-Prints the known answers that ``value_sum``'s unit test pins (seed, length, sum over the
+Prints the known answers that ``value_sum/known_answers.rs`` pins (seed, length, sum over the
 test's byte pattern), so a change of the definition, or a doc that no longer says what
 the code computes, shows as a difference. Slow (pure Python), for checking only.
 

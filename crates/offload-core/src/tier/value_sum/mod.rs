@@ -4,8 +4,23 @@
 //!
 //! Values persist across restarts (the disk tier) and are shared between machines (the
 //! remote tier), so the sum is defined on bytes alone, never on the instruction set: the
-//! portable code below is the reference and the SSE2 and AVX2 kernels (x86_64, picked once
-//! at run time) are checked against it on random lengths, alignments and splits.
+//! portable code below is the reference, and the SIMD kernels are checked against it on
+//! random lengths, alignments and splits: SSE2 and AVX2 on x86_64 (picked once at run
+//! time), NEON on little-endian aarch64 (compiled where the target has the `neon`
+//! feature, as every aarch64 Linux target does, so nothing to detect at run time;
+//! big-endian or NEON-less aarch64 targets and other architectures run the portable
+//! kernel).
+//!
+//! # How the NEON kernel is tested
+//! `cargo test` runs on the build machine's CPU, an x86_64 one here, where the NEON kernel
+//! is not even compiled. `scripts/check_value_sum_aarch64.sh` cross-compiles a harness
+//! (`scripts/value_sum_aarch64_harness.rs`) that includes this module's own files by
+//! `#[path]` with Debian 12's rustc 1.63 and its arm64 standard library, and runs it
+//! under `qemu-aarch64`: the known answers (`known_answers.rs`), then NEON against the
+//! portable kernel on every length to ~5000 bytes and a few MiB, every alignment and
+//! split points. So this module's files (not the crate) must compile on Rust 1.63: no
+//! `OnceLock` outside the x86_64 code, no `let ... else`, no newer std APIs (the harness
+//! build fails if they appear).
 //!
 //! # Definition
 //! - 24 keys `k[i]` come from the seed by splitmix64; 8 accumulators start at fixed odd
@@ -47,10 +62,16 @@
 //!   keys, and blocks are separated by the scramble, so order matters): a miss is not
 //!   proven impossible; its probability is about 2^-64 per corrupted value.
 
+#[cfg(all(
+    target_arch = "aarch64",
+    target_endian = "little",
+    target_feature = "neon"
+))]
+mod aarch64;
+#[cfg(test)]
+mod known_answers;
 #[cfg(target_arch = "x86_64")]
 mod x86;
-
-use std::sync::OnceLock;
 
 /// Lanes, each one 64-bit word of a stripe.
 const LANES: usize = 8;
@@ -82,23 +103,56 @@ const INIT: [u64; LANES] = [
 type Keys = [u64; KEYS];
 
 /// Which implementation sums the stripes. Every one gives the same result (tested).
+///
+/// `pub(super)`, like [`ValueSum::with_kernel`], only for the aarch64 harness, whose crate
+/// root is this module's parent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kernel {
-    /// The reference; on x86_64, where SSE2 is always there, only tests run it.
-    #[cfg_attr(all(target_arch = "x86_64", not(test)), allow(dead_code))]
+pub(super) enum Kernel {
+    /// The reference; where a SIMD kernel always runs (x86_64, little-endian aarch64 with
+    /// NEON), only tests run it.
+    #[cfg_attr(
+        all(
+            any(
+                target_arch = "x86_64",
+                all(
+                    target_arch = "aarch64",
+                    target_endian = "little",
+                    target_feature = "neon"
+                )
+            ),
+            not(test)
+        ),
+        allow(dead_code)
+    )]
     Portable,
     #[cfg(target_arch = "x86_64")]
     Sse2,
     /// Only made by [`Kernel::detect`] after the CPU reported AVX2.
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// Compiled only for targets whose baseline has NEON (every aarch64 Linux target:
+    /// Advanced SIMD is part of ARMv8-A), so every CPU the build runs on has it and
+    /// nothing is detected.
+    #[cfg(all(
+        target_arch = "aarch64",
+        target_endian = "little",
+        target_feature = "neon"
+    ))]
+    Neon,
 }
 
 impl Kernel {
     /// The fastest kernel this CPU runs, decided once per process.
-    fn best() -> Self {
-        static BEST: OnceLock<Kernel> = OnceLock::new();
-        *BEST.get_or_init(Self::detect)
+    pub(super) fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+            *BEST.get_or_init(Self::detect)
+        }
+        // Nothing to detect: a constant, and no `OnceLock` (the aarch64 harness builds
+        // this file with Rust 1.63, which has none).
+        #[cfg(not(target_arch = "x86_64"))]
+        Self::detect()
     }
 
     fn detect() -> Self {
@@ -109,7 +163,22 @@ impl Kernel {
             }
             Self::Sse2
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(all(
+            target_arch = "aarch64",
+            target_endian = "little",
+            target_feature = "neon"
+        ))]
+        {
+            Self::Neon
+        }
+        #[cfg(not(any(
+            target_arch = "x86_64",
+            all(
+                target_arch = "aarch64",
+                target_endian = "little",
+                target_feature = "neon"
+            )
+        )))]
         Self::Portable
     }
 
@@ -124,6 +193,12 @@ impl Kernel {
             // said this CPU has AVX2 (and tests make it only under the same check).
             #[cfg(target_arch = "x86_64")]
             Self::Avx2 => unsafe { x86::avx2_stripes(state, keys, data) },
+            #[cfg(all(
+                target_arch = "aarch64",
+                target_endian = "little",
+                target_feature = "neon"
+            ))]
+            Self::Neon => aarch64::neon_stripes(state, keys, data),
         }
     }
 }
@@ -154,7 +229,7 @@ impl ValueSum {
         Self::with_kernel(seed, Kernel::best())
     }
 
-    fn with_kernel(seed: u64, kernel: Kernel) -> Self {
+    pub(super) fn with_kernel(seed: u64, kernel: Kernel) -> Self {
         let mut state = seed;
         Self {
             seed,

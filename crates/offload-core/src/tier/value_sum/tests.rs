@@ -1,10 +1,11 @@
 use proptest::prelude::*;
 
+use super::known_answers::{bytes, KNOWN_ANSWERS, KNOWN_ANSWER_FILL};
 use super::*;
 
 /// Every kernel this CPU runs; the portable one first (the reference).
 fn kernels() -> Vec<Kernel> {
-    #[allow(unused_mut)] // Only x86_64 has more than one.
+    #[allow(unused_mut)] // Only x86_64 and aarch64 have more than one.
     let mut all = vec![Kernel::Portable];
     #[cfg(target_arch = "x86_64")]
     {
@@ -13,6 +14,12 @@ fn kernels() -> Vec<Kernel> {
             all.push(Kernel::Avx2);
         }
     }
+    #[cfg(all(
+        target_arch = "aarch64",
+        target_endian = "little",
+        target_feature = "neon"
+    ))]
+    all.push(Kernel::Neon);
     all
 }
 
@@ -24,26 +31,10 @@ fn sum_with(kernel: Kernel, seed: u64, parts: &[&[u8]]) -> u64 {
     sum.finish()
 }
 
-fn bytes(n: usize, mul: u32) -> Vec<u8> {
-    (0..n as u32)
-        .map(|i| (i.wrapping_mul(mul) >> 3) as u8)
-        .collect()
-}
-
 #[test]
 fn known_answers_pin_the_definition() {
-    // The same figures as `scripts/value_sum_reference.py`, an independent transcription
-    // of the module doc's definition; a change here is a new value format.
-    let cases: [(u64, usize, u64); 6] = [
-        (0, 0, 0x329f_2a2c_aabd_df51),
-        (0, 1, 0x53d2_20dc_f764_ac03),
-        (7, 63, 0x1bd3_a323_ad69_3fc9),
-        (7, 64, 0x6b97_2b81_eed9_05ab),
-        (0x4b56_4f46_5641_4c55, 1024, 0x5b95_d8b1_1d78_fa7b),
-        (0x4b56_4f46_5641_4c55, 5000, 0x64bc_fb34_3372_290c),
-    ];
-    for (seed, len, expected) in cases {
-        let data = bytes(len, 2_654_435_761);
+    for (seed, len, expected) in KNOWN_ANSWERS {
+        let data = bytes(len, KNOWN_ANSWER_FILL);
         for kernel in kernels() {
             assert_eq!(
                 sum_with(kernel, seed, &[&data]),
