@@ -39,6 +39,12 @@ cargo run --release -q -p offload-core --example disk_tier "${TMPDIR:-/tmp}/kvof
 step "cargo doc (no warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc -p offload-core --no-deps -q
 
+# `cargo test` on this x86_64 machine never compiles the NEON kernel; this cross-builds the
+# value checksum's own files for aarch64 with Debian's toolchain and runs them under qemu
+# (about a minute, most of it apt-get on a fresh machine).
+step "value checksum on aarch64 (NEON kernel against the portable one, under qemu)"
+"$REPO/scripts/check_value_sum_aarch64.sh"
+
 step "ruff"
 py_dirs=(python tests scripts)
 [[ -d benches ]] && py_dirs+=(benches)
