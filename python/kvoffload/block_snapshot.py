@@ -13,7 +13,7 @@ shares one snapshot: the CPU log hands its own to the disk's when it publishes t
 
 from __future__ import annotations
 
-from array import array
+import struct
 from typing import Any, NamedTuple
 
 from kvoffload.vllm_adapter import BlockMeta
@@ -33,18 +33,19 @@ class PackedBlock(NamedTuple):
 
     @classmethod
     def pack(cls, group: int, meta: BlockMeta) -> PackedBlock:
+        # Done for every block the CPU tier publishes: a precompiled struct packs a
+        # block's tokens in a third of the time an array takes, and the tuple is built
+        # without the named tuple's keyword-handling constructor.
+        tokens: bytes | tuple[int, ...]
         try:
-            tokens: bytes | tuple[int, ...] = array("i", meta.token_ids).tobytes()
-        except OverflowError:
+            tokens = _tokens_struct(len(meta.token_ids)).pack(*meta.token_ids)
+        except struct.error:
             tokens = tuple(meta.token_ids)
-        rest = (meta.lora_id, meta.lora_name, meta.extra_keys)
-        return cls(
-            group,
-            meta.block_hash,
-            meta.parent_block_hash,
-            tokens,
-            None if rest == (None, None, None) else rest,
-        )
+        if meta.lora_id is None and meta.lora_name is None and meta.extra_keys is None:
+            rest = None
+        else:
+            rest = (meta.lora_id, meta.lora_name, meta.extra_keys)
+        return tuple.__new__(cls, (group, meta.block_hash, meta.parent_block_hash, tokens, rest))
 
     def meta(self) -> BlockMeta:
         tokens = self.token_ids
@@ -52,8 +53,21 @@ class PackedBlock(NamedTuple):
         return BlockMeta(
             block_hash=self.block_hash,
             parent_block_hash=self.parent_block_hash,
-            token_ids=list(tokens) if isinstance(tokens, tuple) else array("i", tokens).tolist(),
+            token_ids=list(tokens)
+            if isinstance(tokens, tuple)
+            else list(_tokens_struct(len(tokens) // 4).unpack(tokens)),
             lora_id=lora_id,
             lora_name=lora_name,
             extra_keys=extra_keys,
         )
+
+
+#: Packs and unpacks a block's tokens, by token count: 4-byte integers, native order.
+_TOKEN_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _tokens_struct(count: int) -> struct.Struct:
+    packer = _TOKEN_STRUCTS.get(count)
+    if packer is None:
+        packer = _TOKEN_STRUCTS[count] = struct.Struct(f"={count}i")
+    return packer

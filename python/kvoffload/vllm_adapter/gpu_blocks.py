@@ -268,13 +268,13 @@ class GpuResetWatch:
     identity test: a successful reset replaces the pool's hash-to-block map with a new
     one (vLLM 0.32 and 0.33; nothing else assigns it), a failed one leaves it.
 
-    Why not the pool's event queue: an ``AllBlocksCleared`` still queued when the
-    connector plans a step is missed when the reset comes after that step was planned
-    and before its output is processed (asynchronous scheduling plans a step ahead, and
-    ``reset_prefix_cache(reset_running_requests=True)`` succeeds with a step in flight),
-    and scanning the queue costs a step's worth of events. The map is compared when the
-    connector's events are taken, right after vLLM took the pool's into the same batch:
-    whenever a reset's clear is in a batch, the connector learns of it in that batch."""
+    Why not look for the clear in the pool's event queue when a step is planned: the
+    queue then holds the step's allocations' events (a scan per step, or a bet on the
+    clear's position), and whether the clear is still there depends on where the reset
+    fell between the engine's calls. The map is compared when the connector's events are
+    taken, right after vLLM took the pool's into the same batch: whenever a reset's clear
+    is in a batch, the connector learns of it for that batch, whatever the scheduling.
+    """
 
     def __init__(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
