@@ -279,6 +279,28 @@ def test_events_not_taken_before_a_cpu_reset_are_replaced_by_what_the_disk_holds
     assert log.take() == []
 
 
+def test_after_a_clear_only_blocks_every_rank_holds_are_announced_again_and_once() -> None:
+    """Tensor parallel: a block only one rank wrote was never announced, and is not after
+    a clear either. A reset of the GPU pool together with the CPU tier asks twice (once
+    per reset) before the events are taken: each block is still announced once."""
+    from kvoffload._native import tier_block_hash
+    from kvoffload.disk_events import DiskEventLog
+    from kvoffload.vllm_adapter import EventSpec
+
+    log = DiskEventLog(4, [EventSpec("full_attention", None)], 2)
+    keys = [tier_block_hash(0, bytes([i]) * 16) for i in (1, 2)]
+    for i in (1, 2):
+        log.cpu_published(bytes([i]) * 16, _block(i))
+    log.reports([(0, keys[0] + keys[1], b""), (1, keys[0], b"")])
+    assert [e.block_hashes for e in log.take()] == [[bytes([1]) * 32]]
+    log.announce_again()
+    log.announce_again()
+    assert [e.block_hashes for e in log.take()] == [[bytes([1]) * 32]]
+    # Rank 1 writes block 2 later: announced then, as usual.
+    log.reports([(1, keys[1], b"")])
+    assert [e.block_hashes for e in log.take()] == [[bytes([2]) * 32]]
+
+
 @pytest.mark.parametrize("hash_kind", ["bytes", "int"])
 def test_a_block_announced_again_after_a_reset_equals_its_first_announcement(
     hash_kind: str,
