@@ -131,7 +131,13 @@ def model_dir(arg: str | None) -> Path:
 
 
 def build_scheduler(
-    trace: Trace, model: Path, connector: str, lazy: bool, async_scheduling: bool = False
+    trace: Trace,
+    model: Path,
+    connector: str,
+    lazy: bool,
+    async_scheduling: bool = False,
+    *,
+    kv_events: bool = False,
 ) -> Any:
     import torch
 
@@ -166,6 +172,7 @@ def build_scheduler(
         max_num_batched_tokens=trace.max_num_batched_tokens,
         max_model_len=max_len,
         async_scheduling=async_scheduling,
+        events=kv_events,
     )
 
 
@@ -392,6 +399,7 @@ def replay(
     progress: bool,
     *,
     async_scheduling: bool = False,
+    kv_events: bool = False,
 ) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.utils.gc_utils import freeze_gc_heap
@@ -402,7 +410,7 @@ def replay(
 
     from sched_harness import runner_output
 
-    sched = build_scheduler(trace, model, connector, lazy, async_scheduling)
+    sched = build_scheduler(trace, model, connector, lazy, async_scheduling, kv_events=kv_events)
     conn = sched.get_kv_connector()
     timer = ConnectorTimer()
     if conn is not None:
@@ -596,6 +604,12 @@ def main() -> None:
         help="vLLM's AsyncScheduler (the default on GPUs): each step is scheduled before "
         "the previous one's output is processed",
     )
+    ap.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="KV cache events on (vLLM's null publisher): both connectors build their "
+        "CPU events and the scheduler publishes them",
+    )
     args = ap.parse_args()
 
     trace = SMOKE if args.smoke else TRACES[args.trace]
@@ -607,7 +621,12 @@ def main() -> None:
 
     m = machine()
     print(f"machine: {describe(m)}")
-    print(f"trace: {trace}" + (", async scheduling" if args.async_scheduling else "") + "\n")
+    print(
+        f"trace: {trace}"
+        + (", async scheduling" if args.async_scheduling else "")
+        + (", KV events" if args.kv_events else "")
+        + "\n"
+    )
     # Connectors alternate within each repetition so both see the same machine; per
     # configuration the repetition with the lowest mean is kept (the least disturbed by
     # other processes), and every repetition's mean is recorded.
@@ -622,6 +641,7 @@ def main() -> None:
                     mode == "lazy",
                     progress=not args.quiet,
                     async_scheduling=args.async_scheduling,
+                    kv_events=args.kv_events,
                 )
                 if args.repeat > 1:
                     print(f"[{rep + 1}/{args.repeat}] ", end="")
@@ -652,6 +672,7 @@ def main() -> None:
             "machine": m,
             "trace": trace.__dict__,
             "async_scheduling": args.async_scheduling,
+            "kv_events": args.kv_events,
             "stats_every_step": True,
             "results": results,
             "summary": summary,

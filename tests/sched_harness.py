@@ -367,6 +367,9 @@ class SchedHarness:
         #: collected them.
         self.events: list[Any] = []
         self.gpu_events: list[Any] = []
+        #: The batches of KV events the scheduler published (vLLM's and the connector's
+        #: events of a step, in the order the scheduler put them in).
+        self.batches: list[list[Any]] = []
         self.steps: list[Step] = []
         #: Transfers issued and not reported yet: tid -> ok.
         self.in_flight: dict[int, bool] = {}
@@ -597,6 +600,14 @@ class SchedHarness:
             return events
 
         manager.take_events = spy_gpu_events
+        publisher = self.scheduler.kv_event_publisher
+        publish = publisher.publish
+
+        def spy_publish(batch: Any) -> None:
+            self.batches.append(list(batch.events))
+            publish(batch)
+
+        publisher.publish = spy_publish
         conn.get_num_new_matched_tokens = spy_lookup
         conn.update_state_after_alloc = spy_alloc
         conn.take_events = spy_events

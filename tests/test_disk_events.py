@@ -130,10 +130,11 @@ def test_simples_disk_mode_publishes_the_disk_not_the_staging_memory(
 def test_a_cpu_reset_announces_the_blocks_still_on_disk_again_after_its_clear(
     model: Path, tmp_path: Path, rank_zero: None
 ) -> None:
-    """``reset_prefix_cache(reset_connector=True)`` empties the CPU tier, whose
-    ``AllBlocksCleared`` (no medium) has a router forget the disk's blocks too; the disk
-    keeps them, so they are announced again (STORAGE) right after the clear, in the same
-    batch, with their first announcement's hashes and tokens."""
+    """``reset_prefix_cache(reset_connector=True)`` resets vLLM's GPU pool and empties the
+    CPU tier: the batch starts with ``AllBlocksCleared`` (no medium), which has a router
+    forget the disk's blocks too; the disk keeps them, so they are announced again
+    (STORAGE) after it, in the same batch, once, with their first announcement's hashes
+    and tokens; nothing is announced on CPU."""
     from sched_harness import Rank
 
     h = SchedHarness(model, events=True, num_cpu_blocks=8, extra=_disk(tmp_path))
@@ -142,12 +143,15 @@ def test_a_cpu_reset_announces_the_blocks_still_on_disk_again_after_its_clear(
         _serve(h, rank, h.prompt(3))
         disk = _medium(h.events, "BlockStored", "STORAGE")
         assert len(disk) == 3
-        h.events.clear()
+        h.batches.clear()
         assert h.scheduler.reset_prefix_cache(reset_connector=True)
         h.step()
-        batch = h.events
-        assert [type(e).__name__ for e in batch] == ["AllBlocksCleared"] + ["BlockStored"] * 3
-        again = batch[1:]
+        (batch,) = h.batches
+        names = [type(e).__name__ for e in batch]
+        assert names[0] == "AllBlocksCleared"
+        first_stored = names.index("BlockStored")
+        assert set(names[:first_stored]) == {"AllBlocksCleared"}
+        again = batch[first_stored:]
         assert [e.medium for e in again] == ["STORAGE"] * 3
         assert _hashes(again) == _hashes(disk)
         assert [list(e.token_ids) for e in again] == [list(e.token_ids) for e in disk]
@@ -155,15 +159,55 @@ def test_a_cpu_reset_announces_the_blocks_still_on_disk_again_after_its_clear(
         assert again == disk, "field by field"
         assert h.offload._disk_events.num_announced == 3
         h.step()
-        assert len(h.events) == 4, "announced once after the clear"
+        assert len(h.batches) == 1, "announced once after the clear"
     finally:
         rank.shutdown()
 
 
-def _meta(i: int) -> Any:
+def test_a_gpu_reset_announces_the_blocks_on_cpu_and_disk_again_after_vllms_clear(
+    model: Path, tmp_path: Path, rank_zero: None
+) -> None:
+    """``reset_prefix_cache()`` (the GPU pool only, as ``/reset_prefix_cache`` does):
+    vLLM publishes ``AllBlocksCleared`` (no medium) and a router forgets the blocks the
+    CPU tier and the disk still hold and serve. The next batch has vLLM's clear first,
+    then every CPU block (medium CPU) and every disk block (STORAGE) announced again as
+    first announced; later batches announce nothing again."""
+    from sched_harness import Rank
+
+    h = SchedHarness(model, events=True, num_cpu_blocks=8, extra=_disk(tmp_path))
+    rank = Rank(h.scheduler.vllm_config, 1)
+    try:
+        prompt = h.prompt(3)
+        _serve(h, rank, prompt)
+        cpu = _medium(h.events, "BlockStored", "CPU")
+        disk = _medium(h.events, "BlockStored", "STORAGE")
+        assert len(cpu) == len(disk) == 3
+        h.batches.clear()
+        assert h.scheduler.reset_prefix_cache()
+        h.step()
+        (batch,) = h.batches
+        assert [type(e).__name__ for e in batch] == ["AllBlocksCleared"] + ["BlockStored"] * 6
+        again = batch[1:]
+        assert _medium(again, "BlockStored", "CPU") == cpu, "field by field"
+        assert _medium(again, "BlockStored", "STORAGE") == disk
+        assert [list(e.token_ids) for e in again[:3]] == [
+            prompt[i * h.block_size : (i + 1) * h.block_size] for i in range(3)
+        ]
+        assert [e.parent_block_hash for e in again[:3]] == [None, *_hashes(cpu)[:2]]
+        h.step()
+        assert len(h.batches) == 1, "announced once after the clear"
+        # The blocks are still served from CPU after the GPU reset.
+        assert h.cpu_hit_tokens(prompt) == 3 * h.block_size
+    finally:
+        rank.shutdown()
+
+
+def _block(i: int, group: int = 0) -> Any:
+    """Block ``i``'s snapshot, as the CPU event log hands it over when it publishes it."""
+    from kvoffload.block_snapshot import PackedBlock
     from kvoffload.vllm_adapter import BlockMeta
 
-    return BlockMeta(
+    meta = BlockMeta(
         block_hash=bytes([i]) * 32,
         parent_block_hash=None,
         token_ids=[i] * 4,
@@ -171,6 +215,7 @@ def _meta(i: int) -> Any:
         lora_name=None,
         extra_keys=None,
     )
+    return PackedBlock.pack(group, meta)
 
 
 def test_a_block_is_announced_once_every_rank_holds_it_and_removed_when_one_drops_it() -> None:
@@ -183,8 +228,8 @@ def test_a_block_is_announced_once_every_rank_holds_it_and_removed_when_one_drop
     # Rank 0 writes before the CPU tier published the block (another rank was slower to
     # report its copy): nothing until every rank holds it and its snapshot is known.
     log.reports([(0, key[0], b"")])
-    log.cpu_published(0, bytes([1]) * 16, _meta(1))
-    log.cpu_published(1, bytes([2]) * 16, _meta(2))
+    log.cpu_published(bytes([1]) * 16, _block(1))
+    log.cpu_published(bytes([2]) * 16, _block(2, 1))
     assert log.take() == []
     log.reports([(1, key[0] + key[1], b""), (0, key[1], b"")])
     stored = log.take()
@@ -205,7 +250,7 @@ def test_a_block_is_announced_once_every_rank_holds_it_and_removed_when_one_drop
     assert log.num_announced == 0
     # A block is written again only after the CPU tier stored (and published) it again:
     # then it is announced again, every rank holding it.
-    log.cpu_published(1, bytes([2]) * 16, _meta(2))
+    log.cpu_published(bytes([2]) * 16, _block(2, 1))
     assert [e.block_hashes for e in log.take()] == [[bytes([2]) * 32]]
     assert log.num_announced == 1
 
@@ -220,11 +265,11 @@ def test_events_not_taken_before_a_cpu_reset_are_replaced_by_what_the_disk_holds
     log = DiskEventLog(4, [EventSpec("full_attention", None)], 1)
     keys = [tier_block_hash(0, bytes([i]) * 16) for i in (1, 2, 3)]
     for i in (1, 2, 3):
-        log.cpu_published(0, bytes([i]) * 16, _meta(i))
+        log.cpu_published(bytes([i]) * 16, _block(i))
     log.reports([(0, keys[0] + keys[1], b"")])
     assert len(log.take()) == 2
     log.reports([(0, keys[2], keys[1])])
-    log.cpu_cleared()
+    log.announce_again()
     again = log.take()
     assert [(e.medium, e.block_hashes) for e in again] == [
         ("STORAGE", [bytes([1]) * 32]),
@@ -232,6 +277,28 @@ def test_events_not_taken_before_a_cpu_reset_are_replaced_by_what_the_disk_holds
     ]
     assert again[0].token_ids == [1] * 4
     assert log.take() == []
+
+
+def test_after_a_clear_only_blocks_every_rank_holds_are_announced_again_and_once() -> None:
+    """Tensor parallel: a block only one rank wrote was never announced, and is not after
+    a clear either. A reset of the GPU pool together with the CPU tier asks twice (once
+    per reset) before the events are taken: each block is still announced once."""
+    from kvoffload._native import tier_block_hash
+    from kvoffload.disk_events import DiskEventLog
+    from kvoffload.vllm_adapter import EventSpec
+
+    log = DiskEventLog(4, [EventSpec("full_attention", None)], 2)
+    keys = [tier_block_hash(0, bytes([i]) * 16) for i in (1, 2)]
+    for i in (1, 2):
+        log.cpu_published(bytes([i]) * 16, _block(i))
+    log.reports([(0, keys[0] + keys[1], b""), (1, keys[0], b"")])
+    assert [e.block_hashes for e in log.take()] == [[bytes([1]) * 32]]
+    log.announce_again()
+    log.announce_again()
+    assert [e.block_hashes for e in log.take()] == [[bytes([1]) * 32]]
+    # Rank 1 writes block 2 later: announced then, as usual.
+    log.reports([(1, keys[1], b"")])
+    assert [e.block_hashes for e in log.take()] == [[bytes([2]) * 32]]
 
 
 @pytest.mark.parametrize("hash_kind", ["bytes", "int"])
@@ -242,6 +309,7 @@ def test_a_block_announced_again_after_a_reset_equals_its_first_announcement(
     (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), token ids past 256 and past 32 bits, LoRA
     and extra keys, a lazy store's block without tokens or parent."""
     from kvoffload._native import tier_block_hash
+    from kvoffload.block_snapshot import PackedBlock
     from kvoffload.disk_events import DiskEventLog
     from kvoffload.vllm_adapter import BlockMeta, EventSpec
 
@@ -265,12 +333,12 @@ def test_a_block_announced_again_after_a_reset_equals_its_first_announcement(
     keys = b""
     for i, meta in enumerate(metas):
         group = i % 2
-        log.cpu_published(group, bytes([i]) * 16, meta)
+        log.cpu_published(bytes([i]) * 16, PackedBlock.pack(group, meta))
         keys += tier_block_hash(group, bytes([i]) * 16)
     log.reports([(0, keys, b"")])
     first = log.take()
     assert len(first) == 3
-    log.cpu_cleared()
+    log.announce_again()
     again = log.take()
     assert again == first
     for a, b in zip(again, first, strict=True):
@@ -285,6 +353,7 @@ def test_an_announced_block_is_kept_packed() -> None:
     The bound (bytes traced per 16-token block with 32-byte hashes, all of them kept only
     by the log) is generous: a ``BlockMeta`` kept as published costs about 1 KB."""
     from kvoffload._native import tier_block_hash
+    from kvoffload.block_snapshot import PackedBlock
     from kvoffload.disk_events import DiskEventLog
     from kvoffload.vllm_adapter import BlockMeta, EventSpec
 
@@ -297,11 +366,12 @@ def test_an_announced_block_is_kept_packed() -> None:
         for i in range(n):
             block = i.to_bytes(32, "little")
             tokens = [1000 + (i * 16 + t) % 150_000 for t in range(16)]
-            log.cpu_published(0, block[:16], BlockMeta(block, parent, tokens, None, None, None))
+            meta = BlockMeta(block, parent, tokens, None, None, None)
+            log.cpu_published(block[:16], PackedBlock.pack(0, meta))
             log.reports([(0, tier_block_hash(0, block[:16]), b"")])
             log.take()
             parent = block
-        del block, parent, tokens
+        del block, parent, tokens, meta
         per_block = (tracemalloc.get_traced_memory()[0] - before) / n
     finally:
         tracemalloc.stop()

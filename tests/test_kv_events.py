@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     get_block_hash,
@@ -20,7 +21,7 @@ from kvoffload.events import CpuEventLog
 from kvoffload.metadata import KVOffloadWorkerMetadata
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.vllm_adapter import EventSpec
-from sched_harness import SchedHarness
+from sched_harness import SchedHarness, full_attention, sliding_window
 
 
 def cpu_stored(events: list[Any]) -> list[Any]:
@@ -139,3 +140,123 @@ def test_a_lazy_block_freed_again_is_published_under_its_new_hash() -> None:
     assert store is not None
     stored = cpu_stored(retire(store))
     assert [e.block_hashes for e in stored] == [[maybe_convert_block_hash(get_block_hash(hash_b))]]
+
+
+def _stored_by_group(events: list[Any]) -> dict[int, list[Any]]:
+    by_group: dict[int, list[Any]] = {}
+    for e in cpu_stored(events):
+        by_group.setdefault(e.group_idx, []).append(e)
+    return by_group
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_gpu_reset_announces_every_group_on_cpu_again_after_vllms_clear(
+    model: Path, lazy: bool
+) -> None:
+    """A hybrid model (a full-attention and a sliding-window group): after vLLM's GPU pool
+    alone is reset, the published batch has vLLM's ``AllBlocksCleared`` first and then
+    each block of each group still on CPU, as first announced (group, spec, hash, parent,
+    tokens; a lazy store's without tokens)."""
+    h = SchedHarness(
+        model,
+        events=True,
+        lazy=lazy,
+        num_gpu_blocks=12,
+        groups=[
+            (["model.layers.0.self_attn.attn"], full_attention()),
+            (["model.layers.1.self_attn.attn"], sliding_window(32)),
+        ],
+    )
+    h.serve(h.prompt(3))
+    if lazy:
+        # Lazy mode stores freed GPU blocks while vLLM steps: a second prompt's steps
+        # and allocations walk and evict the first one's.
+        h.serve(h.prompt(3))
+    first = _stored_by_group(h.events)
+    assert set(first) == {0, 1}
+    h.batches.clear()
+    assert h.scheduler.reset_prefix_cache()
+    h.step()
+    (batch,) = h.batches
+    assert type(batch[0]).__name__ == "AllBlocksCleared"
+    again = batch[1:]
+    assert [type(e).__name__ for e in again] == ["BlockStored"] * len(again)
+    assert {e.medium for e in again} == {"CPU"}
+    assert len(again) == h.offload.event_log.num_resident
+    by_group = _stored_by_group(again)
+    for group, events in by_group.items():
+        assert all(e in first[group] for e in events), "as first announced"
+    if not lazy:
+        assert by_group == first
+    h.step()
+    assert len(h.batches) == 1, "announced once"
+
+
+def test_a_gpu_reset_with_a_request_running_announces_the_cpu_blocks_after_vllms_clear(
+    model: Path,
+) -> None:
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts the running requests
+    and resets the GPU pool between two steps of theirs: the next batch still starts
+    with vLLM's clear, followed by every block on CPU, each once."""
+    h = SchedHarness(model, events=True, num_cpu_blocks=16)
+    h.serve(h.prompt(2))
+    h.add(h.prompt(6))
+    h.step()
+    assert h.scheduler.running
+    h.batches.clear()
+    assert h.scheduler.reset_prefix_cache(reset_running_requests=True)
+    h.step()
+    batch = h.batches[0]
+    assert type(batch[0]).__name__ == "AllBlocksCleared"
+    # vLLM's own BlockStored (medium GPU) for the step's allocations follow its clear.
+    again = [e for e in cpu_stored(batch) if e.medium == "CPU"]
+    hashes = [bh for e in again for bh in e.block_hashes]
+    assert len(hashes) == len(set(hashes)) == h.offload.event_log.num_resident >= 2
+    h.run()
+    announced = [
+        bh for b in h.batches for e in cpu_stored(b) if e.medium == "CPU" for bh in e.block_hashes
+    ]
+    assert len(announced) == len(set(announced)), "no block announced twice since the clear"
+
+
+def test_without_kv_events_a_gpu_reset_is_not_watched(model: Path) -> None:
+    h = SchedHarness(model, events=False)
+    h.serve(h.prompt(2))
+    assert h.offload._gpu_reset is None
+    assert h.scheduler.reset_prefix_cache()
+    h.step()
+    assert h.batches == h.events == []
+
+
+def test_a_block_on_cpu_is_kept_packed() -> None:
+    """What a large CPU tier costs the scheduler with events on: per block on CPU its
+    packed snapshot (hashes, tokens as 4-byte integers) in one dict entry, to name it in
+    its removal and announce it again after a GPU reset. Bytes traced per 16-token block
+    with 32-byte hashes, all of them kept only by the log (the request's tokens and hashes
+    were there before); the bound is the disk log's (``test_disk_events.py``)."""
+    import tracemalloc
+
+    n = 5000
+    req = SimpleNamespace(
+        block_hashes=[i.to_bytes(32, "little") for i in range(n)],
+        all_token_ids=[1000 + t % 150_000 for t in range(16 * n)],
+        lora_request=None,
+        mm_features=[],
+        cache_salt=None,
+        prompt_embeds=None,
+    )
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        log = CpuEventLog(16, [EventSpec("full_attention", None)])
+        for i in range(0, n, 100):
+            sources = [(0, j) for j in range(i, i + 100)]
+            log.store_issued((i, b"", b"", ["r"]), (keys[i : i + 100], sources, []), {"r": req})
+            log.stores_retired([("stored", 0, keys[i : i + 100], None, 16)], [i])
+            log.take([])
+        per_block = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    assert log.num_resident == n
+    assert per_block < 512, f"{per_block:.0f} bytes per block on CPU"

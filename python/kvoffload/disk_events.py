@@ -15,10 +15,11 @@ on CPU, which is before any rank writes it behind (:class:`DiskEventLog`).
 - It is removed (``BlockRemoved``, ``"STORAGE"``) when the first rank reports it gone:
   evicted, failed a check, or the tier turned itself off after repeated I/O errors (then
   every block it announced is removed, one event per group).
-- The CPU tier's reset (``reset_cache``) publishes ``AllBlocksCleared``, an event without
-  a medium: a router forgets every block, those on disk too. The disk keeps its blocks
-  (lookups still find them), so every block every rank holds is announced again right
-  after that event, in the same batch (:meth:`DiskEventLog.cpu_cleared`).
+- A reset of vLLM's GPU pool (``reset_prefix_cache``) or of the CPU tier
+  (``reset_cache``) publishes ``AllBlocksCleared``, an event without a medium: a router
+  forgets every block, those on disk too. The disk keeps its blocks (lookups still find
+  them), so every block every rank holds is announced again after that event, in the
+  same batch (:meth:`DiskEventLog.announce_again`).
 - vLLM's own aggregation of workers' events (``KVConnectorOutput.kv_cache_events``) keeps
   only events every worker reported in the same step; ranks write behind at their own
   pace, so their reports are counted here across steps instead.
@@ -27,21 +28,20 @@ Blocks a restart recovered (``disk_persist``) are announced once a read or a wri
 them there and the CPU tier published them (a fetch publishes them on CPU first).
 Memory on the scheduler: the snapshot of each block published on CPU until its disk write
 is reported (at most ``MAX_PENDING``; a dropped write's snapshot ages out), and per block on
-disk which ranks hold it or, once all do, its packed snapshot (:class:`_OnDisk`, to announce
-it again after a reset). A disk holds millions of blocks, so the packed snapshot keeps the
-hash objects as they are and the tokens as 4-byte integers, and one dict entry per block
-serves both (a third of what ``BlockMeta`` snapshots in a second dict cost; see
-``tests/test_disk_events.py``).
+disk which ranks hold it or, once all do, its packed snapshot
+(:class:`kvoffload.block_snapshot.PackedBlock`, to announce it again after a reset; the
+CPU log's own while the block is on CPU too). A disk holds millions of blocks: one dict
+entry per block serves both (see ``tests/test_disk_events.py``).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvoffload._native import tier_block_hash
-from kvoffload.vllm_adapter import BlockMeta, EventSpec, block_removed, block_stored
+from kvoffload.block_snapshot import PackedBlock
+from kvoffload.vllm_adapter import EventSpec, block_removed, block_stored
 
 #: Bytes of the tiers' block keys in the workers' reports.
 KEY_BYTES = 16
@@ -77,46 +77,6 @@ class DiskReports:
         return bool(self._reports)
 
 
-class _OnDisk(NamedTuple):
-    """An announced block's snapshot, packed: a tuple (no per-object dict), the hashes as
-    vLLM publishes them (bytes or int: the same objects, so they round-trip exactly), the
-    tokens as native 4-byte integers (a ``tuple`` in the unlikely case one does not fit),
-    the rarely set LoRA and extra keys together or ``None``."""
-
-    group: int
-    block_hash: Any
-    parent_block_hash: Any
-    token_ids: bytes | tuple[int, ...]
-    lora_extra: tuple[int | None, str | None, tuple[Any, ...] | None] | None
-
-    @classmethod
-    def pack(cls, group: int, meta: BlockMeta) -> _OnDisk:
-        try:
-            tokens: bytes | tuple[int, ...] = array("i", meta.token_ids).tobytes()
-        except OverflowError:
-            tokens = tuple(meta.token_ids)
-        rest = (meta.lora_id, meta.lora_name, meta.extra_keys)
-        return cls(
-            group,
-            meta.block_hash,
-            meta.parent_block_hash,
-            tokens,
-            None if rest == (None, None, None) else rest,
-        )
-
-    def meta(self) -> BlockMeta:
-        tokens = self.token_ids
-        lora_id, lora_name, extra_keys = self.lora_extra or (None, None, None)
-        return BlockMeta(
-            block_hash=self.block_hash,
-            parent_block_hash=self.parent_block_hash,
-            token_ids=list(tokens) if isinstance(tokens, tuple) else array("i", tokens).tolist(),
-            lora_id=lora_id,
-            lora_name=lora_name,
-            extra_keys=extra_keys,
-        )
-
-
 class DiskEventLog:
     """The scheduler's side: turns the ranks' reports into ``"STORAGE"`` events."""
 
@@ -124,14 +84,14 @@ class DiskEventLog:
         self._block_size = block_size
         self._specs = specs
         self._all_ranks = (1 << world_size) - 1
-        # Tier key -> (group, snapshot) of blocks published on CPU, not announced yet.
-        self._pending: OrderedDict[bytes, tuple[int, BlockMeta]] = OrderedDict()
+        # Tier key -> snapshot of blocks published on CPU, not announced yet.
+        self._pending: OrderedDict[bytes, PackedBlock] = OrderedDict()
         # Tier key -> bit mask of the ranks that reported the block on disk while it is
         # not announced; once announced (every rank holds it: a rank's removal ends the
         # announcement), its packed snapshot instead, moved to the end then so that the
         # announced blocks stay in announcement order (a parent before its children, as
         # they were written). One entry per block on disk: a disk holds millions.
-        self._disk: dict[bytes, int | _OnDisk] = {}
+        self._disk: dict[bytes, int | PackedBlock] = {}
         self._num_announced = 0
         self._out: list[Any] = []
 
@@ -140,14 +100,14 @@ class DiskEventLog:
         """Blocks announced on disk and not removed (introspection for tests)."""
         return self._num_announced
 
-    def cpu_published(self, group: int, key: bytes, meta: BlockMeta) -> None:
-        """The CPU tier published block ``key`` (the planner's key) of ``group``: its
-        snapshot waits for the ranks' disk reports."""
-        tk = tier_block_hash(group, key)
-        if isinstance(self._disk.get(tk), _OnDisk):
+    def cpu_published(self, key: bytes, block: PackedBlock) -> None:
+        """The CPU tier published block ``key`` (the planner's key) of ``block.group``:
+        its snapshot waits for the ranks' disk reports."""
+        tk = tier_block_hash(block.group, key)
+        if isinstance(self._disk.get(tk), PackedBlock):
             return
         pending = self._pending
-        pending[tk] = (group, meta)
+        pending[tk] = block
         pending.move_to_end(tk)
         if len(pending) > MAX_PENDING:
             pending.popitem(last=False)
@@ -162,7 +122,7 @@ class DiskEventLog:
             removed: dict[int, list[Any]] = {}
             for tk in _keys(gone):
                 held = disk.get(tk, 0)
-                if isinstance(held, _OnDisk):
+                if isinstance(held, PackedBlock):
                     self._num_announced -= 1
                     removed.setdefault(held.group, []).append(held.block_hash)
                     held = self._all_ranks
@@ -175,33 +135,33 @@ class DiskEventLog:
                 self._out.append(block_removed(hashes, group, storage=True))
             for tk in _keys(stored):
                 held = disk.get(tk, 0)
-                if not isinstance(held, _OnDisk):
+                if not isinstance(held, PackedBlock):
                     disk[tk] = held | bit
                     self._announce_if_held(tk)
 
     def _announce_if_held(self, tk: bytes) -> None:
         if self._disk.get(tk) != self._all_ranks:
             return
-        entry = self._pending.pop(tk, None)
-        if entry is None:
+        block = self._pending.pop(tk, None)
+        if block is None:
             return
         del self._disk[tk]
-        self._disk[tk] = _OnDisk.pack(*entry)
+        self._disk[tk] = block
         self._num_announced += 1
-        self._out.append(self._stored(*entry))
+        self._out.append(self._stored(block))
 
-    def _stored(self, group: int, meta: BlockMeta) -> Any:
-        return block_stored(meta, self._block_size, self._specs[group], group, storage=True)
+    def _stored(self, block: PackedBlock) -> Any:
+        group = block.group
+        return block_stored(block.meta(), self._block_size, self._specs[group], group, storage=True)
 
-    def cpu_cleared(self) -> None:
-        """The CPU tier was reset and publishes ``AllBlocksCleared`` (no medium) before
-        this log's next events: every block still announced on disk is announced again
-        after it. Events not taken yet are dropped: their blocks' state is what the
-        announcements say (a removed block is no longer announced, a stored one is)."""
+    def announce_again(self) -> None:
+        """An ``AllBlocksCleared`` (no medium: vLLM's GPU pool or the CPU tier was reset)
+        is published before this log's next events: every block still announced on disk
+        is announced again after it. Events not taken yet are dropped: their blocks'
+        state is what the announcements say (a removed block is no longer announced, a
+        stored one is). Asked twice before a take, it announces each block once."""
         self._out = [
-            self._stored(held.group, held.meta())
-            for held in self._disk.values()
-            if isinstance(held, _OnDisk)
+            self._stored(held) for held in self._disk.values() if isinstance(held, PackedBlock)
         ]
 
     def take(self) -> list[Any]:

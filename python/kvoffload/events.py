@@ -8,9 +8,12 @@ by the planner with the store): so each stored block is snapshotted when its sto
 issued, under its KV-cache group and the key the plan names it by (the planner's, never
 derived here), and the snapshot is turned into a ``BlockStored`` (with its group's
 ``group_idx`` and spec) when the planner publishes the block (every rank copied it).
-Resident blocks keep only their published hash, for the ``BlockRemoved`` of their eviction.
+Resident blocks keep their snapshot packed (:class:`kvoffload.block_snapshot.PackedBlock`):
+its hash names the block in the ``BlockRemoved`` of its eviction, and the whole snapshot
+announces it again after vLLM's GPU pool was reset (:meth:`CpuEventLog.announce_again`):
+vLLM's ``AllBlocksCleared`` has no medium, so a router forgets the CPU tier's blocks too.
 Memory: one snapshot per block in flight (dropped when its store retires, published or
-failed) and one hash per block on CPU.
+failed) and one packed snapshot per block on CPU (shared with the disk's event log).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvoffload.block_snapshot import PackedBlock
 from kvoffload.vllm_adapter import (
     BlockMeta,
     EventSpec,
@@ -37,7 +41,7 @@ class CpuEventLog:
         self,
         block_size: int,
         specs: list[EventSpec],
-        on_published: Callable[[int, bytes, BlockMeta], None] | None = None,
+        on_published: Callable[[bytes, PackedBlock], None] | None = None,
     ) -> None:
         self._block_size = block_size
         #: Told of every block published on CPU, with its snapshot (the disk tier's events).
@@ -46,7 +50,9 @@ class CpuEventLog:
         # Keyed by (KV-cache group, planner key): groups store the same hash separately.
         self._in_flight: dict[tuple[int, bytes], BlockMeta] = {}
         self._by_transfer: dict[int, list[tuple[int, bytes]]] = {}
-        self._resident: dict[tuple[int, bytes], Any] = {}
+        self._resident: dict[tuple[int, bytes], PackedBlock] = {}
+        # Each group's event block size, as the planner's events give it.
+        self._block_sizes: dict[int, int] = {}
         self._out: list[Any] = []
 
     @property
@@ -56,7 +62,7 @@ class CpuEventLog:
 
     @property
     def num_resident(self) -> int:
-        """Published hashes kept for the blocks' removal (introspection for tests)."""
+        """Snapshots kept for the blocks published on CPU (introspection for tests)."""
         return len(self._resident)
 
     def store_issued(
@@ -130,21 +136,23 @@ class CpuEventLog:
             if kind == "stored":
                 group = ev[1]
                 spec = self._specs[group]
+                self._block_sizes[group] = ev[4]
                 for key in ev[2]:
                     meta = self._in_flight.pop((group, key), None)
                     if meta is None:
                         continue
-                    self._resident[(group, key)] = meta.block_hash
+                    packed = PackedBlock.pack(group, meta)
+                    self._resident[(group, key)] = packed
                     out.append(block_stored(meta, ev[4], spec, group))
                     if self._on_published is not None:
-                        self._on_published(group, key, meta)
+                        self._on_published(key, packed)
             elif kind == "removed":
                 group = ev[1]
                 gone = []
                 for key in ev[2]:
-                    h = self._resident.pop((group, key), None)
-                    if h is not None:
-                        gone.append(h)
+                    held = self._resident.pop((group, key), None)
+                    if held is not None:
+                        gone.append(held.block_hash)
                 if gone:
                     out.append(block_removed(gone, group))
             else:
@@ -156,6 +164,20 @@ class CpuEventLog:
         self.convert(planner_events)
         out, self._out = self._out, []
         return out
+
+    def announce_again(self, planner_events: list[tuple[Any, ...]]) -> None:
+        """vLLM's GPU pool was reset and its ``AllBlocksCleared`` (no medium) is published
+        before this log's next events: every block on CPU after ``planner_events`` is
+        announced again after it, as first announced, oldest first. Events not taken yet
+        are dropped: their blocks' state is what the announcements say (an evicted block
+        is not announced; the CPU tier's own clear, after a ``reset_cache`` in the same
+        reset, is covered by vLLM's)."""
+        self.convert(planner_events)
+        sizes, specs = self._block_sizes, self._specs
+        self._out = [
+            block_stored(b.meta(), sizes[b.group], specs[b.group], b.group)
+            for b in self._resident.values()
+        ]
 
     def reset(self) -> None:
         """Stores in flight at a reset are released, never published."""

@@ -13,6 +13,7 @@ from kvoffload.vllm_adapter import (
     EventSpec,
     FreeQueueWalker,
     GpuBlockHolder,
+    GpuResetWatch,
     allocated_blocks,
     logger,
     skips_prefix_cache,
@@ -86,6 +87,8 @@ class OffloadScheduler:
         # (medium "STORAGE"); CPU events for the staging blocks would have a router count
         # them in host memory, so only the disk's events are published.
         self._cpu_events_published = config.disk is None or bool(config.disk["cpu_in_front"])
+        # With events on: tells when vLLM's GPU pool was reset (see `take_events`).
+        self._gpu_reset: GpuResetWatch | None = None
         self._requests: dict[str, Any] = {}
         self._finished: dict[str, Any] = {}
         self._lazy = config.lazy_offload
@@ -152,6 +155,8 @@ class OffloadScheduler:
         return planner
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._events is not None:
+            self._gpu_reset = GpuResetWatch(gpu_block_pool)
         # Only lazy mode walks the free queue (the walker follows the queue's removals).
         if self._lazy:
             self._walker = FreeQueueWalker(gpu_block_pool)
@@ -336,9 +341,21 @@ class OffloadScheduler:
         )
 
     def take_events(self) -> list[Any]:
-        if self._events is None:
+        events = self._events
+        if events is None:
             return []
-        cpu = self._events.take(self._planner.take_events())
+        planner_events = self._planner.take_events()
+        # vLLM takes its GPU pool's events just before these, into the same batch: after
+        # a reset of the pool that batch holds its AllBlocksCleared (no medium), and
+        # routers forget what the CPU tier and the disk still hold and serve. They are
+        # announced again after it (once, whether or not `reset_cache` ran too).
+        watch = self._gpu_reset
+        if watch is not None and watch.was_reset():
+            events.announce_again(planner_events)
+            planner_events = []
+            if self._disk_events is not None:
+                self._disk_events.announce_again()
+        cpu = events.take(planner_events)
         if self._disk_events is None:
             return cpu
         disk = self._disk_events.take()
@@ -361,7 +378,7 @@ class OffloadScheduler:
             if self._disk_events is not None and self._cpu_events_published:
                 # The CPU tier's AllBlocksCleared tells routers to forget the disk's
                 # blocks too; they stay there and are served.
-                self._disk_events.cpu_cleared()
+                self._disk_events.announce_again()
         if self._walker is not None:
             self._walker.reset()
         return True

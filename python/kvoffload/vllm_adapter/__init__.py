@@ -67,6 +67,7 @@ from kvoffload.vllm_adapter.gpu_blocks import (
     GROUP_ID_BYTES,
     FreeQueueWalker,
     GpuBlockHolder,
+    GpuResetWatch,
     allocated_blocks,
     skips_prefix_cache,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "EventSpec",
     "FreeQueueWalker",
     "GpuBlockHolder",
+    "GpuResetWatch",
     "KVConnectorBase_V1",
     "KVConnectorHandshakeMetadata",
     "KVConnectorMetadata",

@@ -1,5 +1,6 @@
 """vLLM's scheduler-side request and block objects: the blocks an allocation hands over,
-and vLLM's GPU block pool, whose free queue lazy mode walks and whose blocks a copy holds."""
+and vLLM's GPU block pool, whose free queue lazy mode walks, whose blocks a copy holds and
+whose resets the KV events follow."""
 
 from __future__ import annotations
 
@@ -259,6 +260,43 @@ class FreeQueueWalker(GpuBlockHolder):
         if at_tail:
             self._joined = False
         return found
+
+
+class GpuResetWatch:
+    """Tells whether vLLM's GPU block pool was reset (``BlockPool.reset_prefix_cache``,
+    which publishes ``AllBlocksCleared``) since it last asked, at the cost of one
+    identity test: a successful reset replaces the pool's hash-to-block map with a new
+    one (vLLM 0.32 and 0.33; nothing else assigns it), a failed one leaves it.
+
+    Why not look for the clear in the pool's event queue when a step is planned: the
+    queue then holds the step's allocations' events (a scan per step, or a bet on the
+    clear's position), and whether the clear is still there depends on where the reset
+    fell between the engine's calls. The map is compared when the connector's events are
+    taken, right after vLLM took the pool's into the same batch: whenever a reset's clear
+    is in a batch, the connector learns of it for that batch, whatever the scheduling.
+    """
+
+    def __init__(self, gpu_block_pool: Any) -> None:
+        self._pool = gpu_block_pool
+        self._seen = getattr(gpu_block_pool, "cached_block_hash_to_block", None)
+        if self._seen is None:
+            from kvoffload.vllm_adapter import logger
+
+            logger.warning(
+                "kvoffload: vLLM's GPU block pool has no cached_block_hash_to_block: "
+                "after a GPU prefix-cache reset, blocks on CPU and disk are not announced "
+                "again to KV-event subscribers"
+            )
+
+    def was_reset(self) -> bool:
+        seen = self._seen
+        if seen is None:
+            return False
+        now = self._pool.cached_block_hash_to_block
+        if now is seen:
+            return False
+        self._seen = now
+        return True
 
 
 def skips_prefix_cache(request: Any) -> bool:
