@@ -8,9 +8,7 @@ mod common;
 
 use std::os::unix::fs::FileExt;
 
-use common::disk::{
-    block, fill_blocks, hash, options, store_blocks, tier, Scratch, FP, HASH_BYTES,
-};
+use common::disk::{block, fill_blocks, hash, options, store_blocks, tier, Scratch, FP};
 use offload_core::tier::disk::DiskStore;
 use offload_core::tier::value::encode;
 use offload_core::tier::{KeySpace, MemoryStore, RemoteStore, RemoteTier, StackedStore, TierStats};
@@ -68,26 +66,29 @@ fn fills_are_byte_exact_across_slices_direct_and_buffered() {
 }
 
 #[test]
-fn a_damaged_payload_header_or_trailer_is_never_reported_filled() {
+fn a_damaged_payload_or_entry_is_never_reported_filled() {
     for page_cache in [false, true] {
         let s = Scratch::new("fill-corrupt");
         let mut store = open(&s, ODD, page_cache, "");
         let mut t = tier(&store);
         assert_eq!(store_blocks(&mut t, 0..4, ODD), 4);
-        // Block 4's key holds a sound value of block 9: every checksum holds, the header
-        // names another block.
+        // Block 4's key holds a sound value of block 9: every checksum holds, the entry
+        // names another block's hash.
         let stray = encode(FP, &hash(9), &[&block(9, ODD)]);
         assert!(store.put(&[(key(4), stray)])[0].is_ok());
         let data = store.open_data_file().unwrap();
-        let at = |i: u32| store.offset_of(&key(i)).unwrap();
+        let idx = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.index_path())
+            .unwrap();
+        let entry = |i: u32| store.entry_offset_of(&key(i)).unwrap();
         // A payload byte, in the second slice.
-        data.write_all_at(&[0x00], at(0) + 32 + HASH_BYTES as u64 + 3000)
+        data.write_all_at(&[0x00], store.offset_of(&key(0)).unwrap() + 3000)
             .unwrap();
-        // A header byte (the fingerprint).
-        data.write_all_at(&[0x77], at(1) + 10).unwrap();
-        // The trailer.
-        data.write_all_at(&[0x42; 8], at(2) + 32 + HASH_BYTES as u64 + ODD as u64)
-            .unwrap();
+        // A byte of the entry's block hash.
+        idx.write_all_at(&[0x77], entry(1) + 48 + 3).unwrap();
+        // The entry's payload checksum.
+        idx.write_all_at(&[0x42; 8], entry(2) + 40).unwrap();
         let got = fill_blocks(&mut t, &[0, 1, 2, 3, 4], ODD, &CUTS);
         assert_eq!(
             got,
@@ -95,7 +96,7 @@ fn a_damaged_payload_header_or_trailer_is_never_reported_filled() {
             "page_cache {page_cache}"
         );
         let snap = store.snapshot();
-        // Three caught by the store's checks, the stray value by the header's hash; all
+        // Three caught by the store's checks, the stray value by the entry's hash; all
         // four slots freed.
         assert_eq!(snap.checksum_failures, 4);
         assert_eq!(snap.resident_blocks, 1);
@@ -182,7 +183,7 @@ fn a_block_read_in_several_groups_is_exact_and_every_group_is_verified() {
         let mut t = tier(&store);
         assert_eq!(store_blocks(&mut t, 0..3, len), 3);
         let data = store.open_data_file().unwrap();
-        let payload = |i: u32| store.offset_of(&key(i)).unwrap() + 32 + HASH_BYTES as u64;
+        let payload = |i: u32| store.offset_of(&key(i)).unwrap();
         data.write_all_at(&[0x01], payload(1) + len as u64 - 10)
             .unwrap();
         data.write_all_at(&[0x02], payload(2) + (256 << 10) + 50)

@@ -131,16 +131,78 @@ pub(crate) fn classify(e: &io::Error) -> IoKind {
 /// Most iovecs one `preadv` takes on Linux (`UIO_MAXIOV`; libc does not export it).
 const IOV_MAX: usize = 1024;
 
+/// What `O_DIRECT` asks of a transfer: memory addresses aligned to `mem`, file offsets
+/// and each segment's length to `offset` (both powers of two).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DioAlign {
+    pub mem: usize,
+    pub offset: usize,
+}
+
+impl DioAlign {
+    /// A page for both: what every file system that takes `O_DIRECT` accepts.
+    const PAGE: Self = Self {
+        mem: ALIGN as usize,
+        offset: ALIGN as usize,
+    };
+
+    /// What the kernel reports for `file` (`statx` `STATX_DIOALIGN`, Linux 6.1+), a page
+    /// where it reports nothing. A CPU block is one slice per layer region, often
+    /// smaller than a page (2 KiB for a 64 KiB block of 32 layers), so asking the kernel
+    /// is what lets those slices take the direct path.
+    fn of(file: &File) -> Self {
+        // SAFETY: statx is all zeros when empty (plain integers).
+        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+        // SAFETY: an empty path with AT_EMPTY_PATH names the descriptor we own; `stx` is
+        // a valid, exclusively borrowed statx the kernel fills.
+        let rc = unsafe {
+            libc::statx(
+                file.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH,
+                libc::STATX_DIOALIGN,
+                &mut stx,
+            )
+        };
+        let reported = rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0;
+        let (mem, offset) = (
+            stx.stx_dio_mem_align as usize,
+            stx.stx_dio_offset_align as usize,
+        );
+        if !reported || !mem.is_power_of_two() || !offset.is_power_of_two() {
+            return Self::PAGE;
+        }
+        Self { mem, offset }
+    }
+
+    /// Whether a segment at `ptr` of `len` bytes may be read or written directly.
+    pub(crate) fn takes(&self, ptr: *const u8, len: usize) -> bool {
+        (ptr as usize) % self.mem == 0 && len % self.offset == 0
+    }
+
+    /// Whether slots (on [`ALIGN`] boundaries, in pages) and page-aligned scratch buffers
+    /// meet these demands, so a direct transfer into other memory is possible at all.
+    pub(crate) fn fits_pages(&self) -> bool {
+        self.mem <= ALIGN as usize && self.offset <= ALIGN as usize
+    }
+}
+
 /// The data file: positional I/O, direct where the file system allows it.
 #[derive(Debug)]
 pub(crate) struct DataFile {
     file: File,
     direct: bool,
+    align: DioAlign,
 }
 
 impl DataFile {
     pub(crate) fn is_direct(&self) -> bool {
         self.direct
+    }
+
+    /// What a direct transfer asks of its buffers (meaningful when [`Self::is_direct`]).
+    pub(crate) fn align(&self) -> DioAlign {
+        self.align
     }
 
     pub(crate) fn file(&self) -> &File {
@@ -305,6 +367,63 @@ impl DataFile {
         }
         Ok(())
     }
+
+    /// Writes `parts` in order at `offset` (`pwritev`, more than one past [`IOV_MAX`]
+    /// parts); anything less than every byte is an error of kind `Short`. The faults
+    /// [`Self::write`] injects apply once per call.
+    pub(crate) fn write_parts(
+        &self,
+        parts: &[&[u8]],
+        offset: u64,
+        faults: &DiskFaults,
+    ) -> Result<(), IoKind> {
+        if let Some(e) = faults.write_fault() {
+            return Err(classify(&e));
+        }
+        let iov: Vec<libc::iovec> = parts
+            .iter()
+            .filter(|p| !p.is_empty())
+            .map(|p| libc::iovec {
+                iov_base: p.as_ptr().cast_mut().cast(),
+                iov_len: p.len(),
+            })
+            .collect();
+        let mut at = offset;
+        for batch in iov.chunks(IOV_MAX) {
+            let want: usize = batch.iter().map(|v| v.iov_len).sum();
+            let Ok(pos) = libc::off_t::try_from(at) else {
+                return Err(IoKind::Invalid);
+            };
+            let n = loop {
+                // SAFETY: every iovec points into a `&[u8]` of `parts`, borrowed for this
+                // call, with its length; the kernel only reads them. At most IOV_MAX.
+                let n = unsafe {
+                    libc::pwritev(
+                        self.file.as_raw_fd(),
+                        batch.as_ptr(),
+                        batch.len() as libc::c_int,
+                        pos,
+                    )
+                };
+                match usize::try_from(n) {
+                    Ok(n) => break n,
+                    Err(_) => {
+                        let e = io::Error::last_os_error();
+                        if e.kind() != io::ErrorKind::Interrupted {
+                            return Err(classify(&e));
+                        }
+                    }
+                }
+            };
+            // A short write of a slot is not resumed: the slot's entry is not written, so
+            // whatever part of it landed is never served.
+            if n != want {
+                return Err(IoKind::Short);
+            }
+            at += n as u64;
+        }
+        Ok(())
+    }
 }
 
 /// The paths of a rank's file set.
@@ -397,7 +516,14 @@ pub(crate) fn lock_exclusive(file: &File, path: &Path) -> Result<(), DiskError> 
 pub(crate) fn open_data(path: &Path, page_cache: bool) -> Result<DataFile, DiskError> {
     if !page_cache {
         match open_rw(path, true) {
-            Ok(file) => return Ok(DataFile { file, direct: true }),
+            Ok(file) => {
+                let align = DioAlign::of(&file);
+                return Ok(DataFile {
+                    file,
+                    direct: true,
+                    align,
+                });
+            }
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => fallback_logged(path),
             Err(e) => return Err(open_err(path)(e)),
         }
@@ -406,6 +532,7 @@ pub(crate) fn open_data(path: &Path, page_cache: bool) -> Result<DataFile, DiskE
     Ok(DataFile {
         file,
         direct: false,
+        align: DioAlign::PAGE,
     })
 }
 
@@ -436,6 +563,7 @@ impl DataFile {
         Ok(Self {
             file,
             direct: false,
+            align: DioAlign::PAGE,
         })
     }
 }

@@ -61,6 +61,7 @@ pub use config::DiskConfig;
 pub use error::{DiskError, IoKind};
 pub use index::{Placement, SlotIndex};
 pub use journal::{DiskChanges, JOURNAL_HASH_BYTES};
+pub use layout::ENTRY_BYTES;
 pub use options::{DiskOptions, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
 pub use reader::DiskProbe;
 pub use stats::{DiskSnapshot, DiskStats};
