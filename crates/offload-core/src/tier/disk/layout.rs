@@ -328,13 +328,54 @@ mod tests {
     #[test]
     fn a_header_of_another_file_version_is_not_this_geometry() {
         let g = Geometry::fit(10 << 20, 4096, 9).unwrap();
-        let mut h = g.encode_header();
-        h[8..12].copy_from_slice(&1u32.to_le_bytes());
-        // Re-summed, so only the version differs from a valid header.
-        const BODY: usize = 8 + 4 + 4 + 4 * 8 + 16;
-        let sum = checksum(ENTRY_SEED, &[&h[..BODY]]);
-        h[BODY..BODY + 8].copy_from_slice(&sum.to_le_bytes());
-        assert_eq!(Geometry::decode_header(&h), None);
+        assert_eq!(Geometry::decode_header(&g.encode_header()), Some(g));
+        // Every older version (3: whole values in the slots, 64-byte entries) is wiped.
+        for version in 1..FILE_VERSION {
+            let mut h = g.encode_header();
+            h[8..12].copy_from_slice(&version.to_le_bytes());
+            // Re-summed, so only the version differs from a valid header.
+            const BODY: usize = 8 + 4 + 4 + 4 * 8 + 16;
+            let sum = checksum(ENTRY_SEED, &[&h[..BODY]]);
+            h[BODY..BODY + 8].copy_from_slice(&sum.to_le_bytes());
+            assert_eq!(Geometry::decode_header(&h), None, "version {version}");
+        }
+    }
+
+    #[test]
+    fn a_slot_is_the_block_rounded_up_to_a_page() {
+        for (block, slot) in [
+            (64 << 10, 64 << 10),
+            (2 << 20, 2 << 20),
+            (5003, 8192),
+            (1, 4096),
+        ] {
+            let g = Geometry::fit(1 << 30, block, 0).unwrap();
+            assert_eq!(g.slot_bytes, slot, "{block}");
+        }
+        // A 64 KiB block costs its slot and its entry, nothing more.
+        let g = Geometry::fit(
+            IDX_HEADER + 64 * ((64 << 10) + ENTRY_BYTES as u64),
+            64 << 10,
+            0,
+        );
+        assert_eq!(g.map(|g| g.slots), Some(64));
+    }
+
+    #[test]
+    fn a_payload_sum_is_bound_to_its_key_and_not_to_how_it_is_cut() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + 3) as u8).collect();
+        let sum = |digest: u128, cuts: &[usize]| {
+            let mut s = PayloadSum::new(digest);
+            let mut at = 0;
+            for &c in cuts.iter().chain([&bytes.len()]) {
+                s.update(&bytes[at..c]);
+                at = c;
+            }
+            s.finish()
+        };
+        assert_eq!(sum(5, &[]), sum(5, &[1, 4096, 4097]));
+        assert_ne!(sum(5, &[]), sum(6, &[]));
+        assert_ne!(sum(5, &[]), sum(5 | 1 << 64, &[]));
     }
 
     #[test]

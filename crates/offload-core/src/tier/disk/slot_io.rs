@@ -304,3 +304,66 @@ impl DiskStore {
         self.shared.io.run(items, work)
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::super::layout::{key_digest, Entry, ENTRY_BYTES};
+    use super::super::{DiskOptions, DiskStore};
+    use crate::tier::{KeySpace, LayoutFingerprint, RemoteStore, ValueParts};
+
+    const FP: LayoutFingerprint = LayoutFingerprint(0xb1d);
+
+    #[test]
+    fn another_blocks_bytes_under_a_valid_entry_for_this_key_are_a_miss() {
+        // One set of four slots, persisted: block A is written, then its entry is made to
+        // name key B (re-summed, so it is a valid entry) and the store reopened. B's
+        // lookup finds a slot holding A's intact bytes under an entry that carries their
+        // checksum: only the checksum's binding to the key tells them apart.
+        let dir = std::env::temp_dir().join(format!("kvoffload-bind-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let block = 5000usize;
+        let mut o = DiskOptions::new(
+            dir.join("kv.rank_0"),
+            4096 + 4 * (8192 + 128),
+            block as u64,
+            FP,
+        );
+        o.persist = true;
+        o.use_page_cache = true;
+        let keys = KeySpace::new("t", FP).unwrap();
+        let (a, b) = (keys.key(&[1; 16]).unwrap(), keys.key(&[2; 16]).unwrap());
+        let bytes: Vec<u8> = (0..block).map(|i| (i * 13) as u8).collect();
+        {
+            let mut store = DiskStore::open(&o).unwrap();
+            let parts = ValueParts::new(FP, &[1; 16], vec![&bytes[..]]);
+            assert!(store.put_parts(&[(a.clone(), parts)])[0].is_ok());
+            let at = store.entry_offset_of(&a).unwrap();
+            let idx = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(store.index_path())
+                .unwrap();
+            let mut raw = [0u8; ENTRY_BYTES];
+            idx.read_exact_at(&mut raw, at).unwrap();
+            let e = Entry::decode(&raw).unwrap();
+            let moved = Entry::new(
+                key_digest(b.as_str().as_bytes()),
+                e.payload_len,
+                e.seq,
+                e.payload_sum,
+                &[2; 16],
+            );
+            idx.write_all_at(&moved.encode(), at).unwrap();
+        }
+        let mut store = DiskStore::open(&o).unwrap();
+        assert_eq!(store.snapshot().recovered_blocks, 1, "the entry is valid");
+        assert_eq!(store.get(std::slice::from_ref(&b))[0], Ok(None));
+        assert_eq!(store.snapshot().checksum_failures, 1);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

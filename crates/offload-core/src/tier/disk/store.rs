@@ -208,6 +208,15 @@ impl DiskStore {
         self.shared.data.is_direct()
     }
 
+    /// What `O_DIRECT` asks of a block's memory to move it without a copy: the address
+    /// alignment and the length unit of each slice (`statx` `STATX_DIOALIGN`, a page where
+    /// the kernel does not say); `None` with buffered I/O.
+    pub fn direct_io_alignment(&self) -> Option<(usize, usize)> {
+        let data = &self.shared.data;
+        data.is_direct()
+            .then(|| (data.align().mem, data.align().offset))
+    }
+
     /// Blocks the capacity holds.
     pub fn capacity_blocks(&self) -> u64 {
         self.shared.geo.slots
