@@ -82,6 +82,15 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
     let store = DiskStore::open(&opts).expect("open the tier");
     let mut t = tier(&store);
     let cpu = CpuBlocks::new(block, BATCH as u32);
+    for id in 0..BATCH as u32 {
+        // SAFETY: nothing else uses the CPU blocks yet.
+        let parts = unsafe { cpu.blocks.block_parts_mut(id) }.expect("CPU block");
+        let mut at = 0;
+        for p in parts {
+            p.copy_from_slice(&payload[at..at + p.len()]);
+            at += p.len();
+        }
+    }
     let direct = !page_cache;
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); NAMES.len()];
     // The Python loop's file: n blocks, aligned as Simple lays them.
@@ -92,7 +101,7 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
         // them back.
         let ids: Vec<u64> = (run as u64 * n..(run as u64 + 1) * n).collect();
         runs[0].push(raw(&raw_path, raw_len, true, direct));
-        runs[1].push(tier_write(&mut t, &ids, &payload, BATCH));
+        runs[1].push(tier_write(&mut t, &cpu, &ids, block, BATCH));
         runs[2].push(raw(&raw_path, raw_len, false, direct));
         runs[3].push(tier_read(&mut t, &cpu, &ids, block, BATCH));
         let order: Vec<u64> = shuffled(n, run as u64 + 1)

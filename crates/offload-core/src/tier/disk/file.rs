@@ -368,61 +368,85 @@ impl DataFile {
         Ok(())
     }
 
-    /// Writes `parts` in order at `offset` (`pwritev`, more than one past [`IOV_MAX`]
-    /// parts); anything less than every byte is an error of kind `Short`. The faults
-    /// [`Self::write`] injects apply once per call.
+    /// Writes `parts` in order at `offset`, about `group` bytes a `pwritev` (more than one
+    /// past [`IOV_MAX`] pieces), handing each piece to `leaving` just before its group is
+    /// written: a caller that sums the pieces reads them while the kernel's copy still
+    /// finds them in cache. Anything less than every byte is an error of kind `Short`.
+    /// The faults [`Self::write`] injects apply once per call.
     pub(crate) fn write_parts(
         &self,
         parts: &[&[u8]],
         offset: u64,
         faults: &DiskFaults,
+        group: usize,
+        mut leaving: impl FnMut(&[u8]),
     ) -> Result<(), IoKind> {
         if let Some(e) = faults.write_fault() {
             return Err(classify(&e));
         }
-        let iov: Vec<libc::iovec> = parts
+        let group = group.max(1);
+        let pieces: Vec<&[u8]> = parts
             .iter()
+            .flat_map(|p| p.chunks(group))
             .filter(|p| !p.is_empty())
+            .collect();
+        let mut at = offset;
+        let mut rest = &pieces[..];
+        while !rest.is_empty() {
+            let mut n = 0;
+            let mut bytes = 0;
+            while n < rest.len().min(IOV_MAX) && (n == 0 || bytes + rest[n].len() <= group) {
+                bytes += rest[n].len();
+                n += 1;
+            }
+            let (now, later) = rest.split_at(n);
+            for piece in now {
+                leaving(piece);
+            }
+            self.write_all_parts(now, at)?;
+            at += bytes as u64;
+            rest = later;
+        }
+        Ok(())
+    }
+
+    /// One `pwritev` of `pieces` (at most [`IOV_MAX`]) at `offset`, retried when
+    /// interrupted; a short write is an error of kind `Short`, not resumed: the slot's
+    /// entry is then not written, so whatever part of it landed is never served.
+    fn write_all_parts(&self, pieces: &[&[u8]], offset: u64) -> Result<(), IoKind> {
+        let iov: Vec<libc::iovec> = pieces
+            .iter()
             .map(|p| libc::iovec {
                 iov_base: p.as_ptr().cast_mut().cast(),
                 iov_len: p.len(),
             })
             .collect();
-        let mut at = offset;
-        for batch in iov.chunks(IOV_MAX) {
-            let want: usize = batch.iter().map(|v| v.iov_len).sum();
-            let Ok(pos) = libc::off_t::try_from(at) else {
-                return Err(IoKind::Invalid);
+        let want: usize = pieces.iter().map(|p| p.len()).sum();
+        let Ok(pos) = libc::off_t::try_from(offset) else {
+            return Err(IoKind::Invalid);
+        };
+        loop {
+            // SAFETY: every iovec points into a `&[u8]` of `pieces`, borrowed for this
+            // call, with its length; the kernel only reads them. At most IOV_MAX.
+            let n = unsafe {
+                libc::pwritev(
+                    self.file.as_raw_fd(),
+                    iov.as_ptr(),
+                    iov.len() as libc::c_int,
+                    pos,
+                )
             };
-            let n = loop {
-                // SAFETY: every iovec points into a `&[u8]` of `parts`, borrowed for this
-                // call, with its length; the kernel only reads them. At most IOV_MAX.
-                let n = unsafe {
-                    libc::pwritev(
-                        self.file.as_raw_fd(),
-                        batch.as_ptr(),
-                        batch.len() as libc::c_int,
-                        pos,
-                    )
-                };
-                match usize::try_from(n) {
-                    Ok(n) => break n,
-                    Err(_) => {
-                        let e = io::Error::last_os_error();
-                        if e.kind() != io::ErrorKind::Interrupted {
-                            return Err(classify(&e));
-                        }
+            match usize::try_from(n) {
+                Ok(n) if n == want => return Ok(()),
+                Ok(_) => return Err(IoKind::Short),
+                Err(_) => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(classify(&e));
                     }
                 }
-            };
-            // A short write of a slot is not resumed: the slot's entry is not written, so
-            // whatever part of it landed is never served.
-            if n != want {
-                return Err(IoKind::Short);
             }
-            at += n as u64;
         }
-        Ok(())
     }
 }
 

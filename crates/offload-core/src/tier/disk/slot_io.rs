@@ -22,9 +22,9 @@ use super::stats::DiskStats;
 use super::store::DiskStore;
 use crate::tier::value::VERIFY_PIECE;
 
-/// Bytes read from the page cache per `preadv` into a caller's block, then summed while
-/// they are in the core's cache (a 2 MiB block summed after one `preadv` of all of it is
-/// read from memory a second time).
+/// Bytes read from (or written to) the page cache per `preadv` (`pwritev`), summed while
+/// they are in the core's cache (a 2 MiB block summed apart from one `preadv` of all of
+/// it is read from memory a second time).
 const SUM_GROUP: usize = 256 << 10;
 
 /// Fewest bytes of a slice (but the last) that a direct transfer takes as it is. Smaller
@@ -201,10 +201,11 @@ impl DiskStore {
         let offset = geo.data_offset(slot);
         let mut sum = PayloadSum::new(digest);
         if !s.data.is_direct() {
-            for p in &block.payload {
-                sum.update(p);
-            }
-            s.data.write_parts(&block.payload, offset, &s.faults)?;
+            // Summed a group at a time just before the kernel copies it into the cache.
+            s.data
+                .write_parts(&block.payload, offset, &s.faults, SUM_GROUP, |p| {
+                    sum.update(p)
+                })?;
         } else {
             let shape: Vec<(*const u8, usize)> = block
                 .payload
@@ -259,7 +260,8 @@ impl DiskStore {
         if let Some(b) = &scratch {
             pieces.push(&b.as_slice()[..unit]);
         }
-        s.data.write_parts(&pieces, offset, &s.faults)?;
+        s.data
+            .write_parts(&pieces, offset, &s.faults, usize::MAX, |_| {})?;
         DiskStats::add(&s.stats.direct_writes, 1);
         Ok(())
     }
