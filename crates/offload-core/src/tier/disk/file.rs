@@ -1,122 +1,19 @@
-//! The tier's files: opening them (lock, `O_DIRECT` probe, reserved space), aligned
-//! buffers, and positional reads and writes with their errors sorted by kind and the
-//! faults of a [`FaultPlan`] injected.
+//! The tier's files: opening them (lock, `O_DIRECT` probe and the kernel's alignment,
+//! reserved space), and positional reads and writes, vectored too, with their errors
+//! sorted by kind and the faults of a [`FaultPlan`](crate::transfer::FaultPlan) injected
+//! (`faults.rs`).
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 
+use super::aligned::{AlignedBuf, DioAlign};
 use super::error::{DiskError, IoKind};
+pub(crate) use super::faults::DiskFaults;
+use super::faults::ReadFault;
 use super::layout::ALIGN;
-use crate::transfer::fault::hits;
-use crate::transfer::FaultPlan;
-
-/// A zeroed buffer aligned for `O_DIRECT`.
-pub(crate) struct AlignedBuf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the buffer owns its allocation exclusively, like a Vec<u8>.
-unsafe impl Send for AlignedBuf {}
-
-impl AlignedBuf {
-    /// `len` bytes (a multiple of [`ALIGN`], non-zero), all zero.
-    pub(crate) fn new(len: usize) -> Self {
-        let layout = Self::layout(len);
-        // SAFETY: the layout has a non-zero size (at least ALIGN).
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        Self { ptr, len }
-    }
-
-    fn layout(len: usize) -> Layout {
-        // ALIGN is a power of two and len is bounded by the slot size; a failure here is
-        // a bug in the geometry, not input.
-        Layout::from_size_align(len.max(ALIGN as usize), ALIGN as usize)
-            .unwrap_or_else(|_| Layout::new::<[u8; ALIGN as usize]>())
-    }
-
-    pub(crate) fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for len initialized (zeroed, then written) bytes while
-        // self lives.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in as_slice, and &mut self makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in new() with this same layout.
-        unsafe { dealloc(self.ptr, Self::layout(self.len)) };
-    }
-}
-
-/// Which faults to inject into disk I/O, counting calls as they come.
-#[derive(Debug, Default)]
-pub(crate) struct DiskFaults {
-    plan: FaultPlan,
-    writes: AtomicU32,
-    reads: AtomicU32,
-}
-
-impl DiskFaults {
-    pub(crate) fn new(plan: FaultPlan) -> Self {
-        Self {
-            plan,
-            ..Self::default()
-        }
-    }
-
-    fn write_fault(&self) -> Option<io::Error> {
-        let plan = &self.plan;
-        if plan.disk_enospc_every == 0 && plan.disk_write_eio_every == 0 {
-            return None;
-        }
-        let n = self.writes.fetch_add(1, Ordering::Relaxed) + 1;
-        if hits(n, plan.disk_enospc_every) {
-            return Some(io::Error::from_raw_os_error(libc::ENOSPC));
-        }
-        hits(n, plan.disk_write_eio_every).then(|| io::Error::from_raw_os_error(libc::EIO))
-    }
-
-    /// The fault for the next read: an error, a short read, or a flipped byte.
-    fn read_fault(&self) -> Option<ReadFault> {
-        let plan = &self.plan;
-        if plan.disk_read_eio_every == 0
-            && plan.disk_short_read_every == 0
-            && plan.disk_corrupt_read_every == 0
-        {
-            return None;
-        }
-        let n = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
-        if hits(n, plan.disk_read_eio_every) {
-            Some(ReadFault::Eio)
-        } else if hits(n, plan.disk_short_read_every) {
-            Some(ReadFault::Short)
-        } else if hits(n, plan.disk_corrupt_read_every) {
-            Some(ReadFault::Corrupt)
-        } else {
-            None
-        }
-    }
-}
-
-enum ReadFault {
-    Eio,
-    Short,
-    Corrupt,
-}
 
 /// An I/O that failed, by kind.
 pub(crate) fn classify(e: &io::Error) -> IoKind {
@@ -130,62 +27,6 @@ pub(crate) fn classify(e: &io::Error) -> IoKind {
 
 /// Most iovecs one `preadv` takes on Linux (`UIO_MAXIOV`; libc does not export it).
 const IOV_MAX: usize = 1024;
-
-/// What `O_DIRECT` asks of a transfer: memory addresses aligned to `mem`, file offsets
-/// and each segment's length to `offset` (both powers of two).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct DioAlign {
-    pub mem: usize,
-    pub offset: usize,
-}
-
-impl DioAlign {
-    /// A page for both: what every file system that takes `O_DIRECT` accepts.
-    const PAGE: Self = Self {
-        mem: ALIGN as usize,
-        offset: ALIGN as usize,
-    };
-
-    /// What the kernel reports for `file` (`statx` `STATX_DIOALIGN`, Linux 6.1+), a page
-    /// where it reports nothing. A CPU block is one slice per layer region, often
-    /// smaller than a page (2 KiB for a 64 KiB block of 32 layers), so asking the kernel
-    /// is what lets those slices take the direct path.
-    fn of(file: &File) -> Self {
-        // SAFETY: statx is all zeros when empty (plain integers).
-        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-        // SAFETY: an empty path with AT_EMPTY_PATH names the descriptor we own; `stx` is
-        // a valid, exclusively borrowed statx the kernel fills.
-        let rc = unsafe {
-            libc::statx(
-                file.as_raw_fd(),
-                c"".as_ptr(),
-                libc::AT_EMPTY_PATH,
-                libc::STATX_DIOALIGN,
-                &mut stx,
-            )
-        };
-        let reported = rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0;
-        let (mem, offset) = (
-            stx.stx_dio_mem_align as usize,
-            stx.stx_dio_offset_align as usize,
-        );
-        if !reported || !mem.is_power_of_two() || !offset.is_power_of_two() {
-            return Self::PAGE;
-        }
-        Self { mem, offset }
-    }
-
-    /// Whether a segment at `ptr` of `len` bytes may be read or written directly.
-    pub(crate) fn takes(&self, ptr: *const u8, len: usize) -> bool {
-        (ptr as usize) % self.mem == 0 && len % self.offset == 0
-    }
-
-    /// Whether slots (on [`ALIGN`] boundaries, in pages) and page-aligned scratch buffers
-    /// meet these demands, so a direct transfer into other memory is possible at all.
-    pub(crate) fn fits_pages(&self) -> bool {
-        self.mem <= ALIGN as usize && self.offset <= ALIGN as usize
-    }
-}
 
 /// The data file: positional I/O, direct where the file system allows it.
 #[derive(Debug)]

@@ -44,8 +44,10 @@
 //! disk and which left it ([`DiskStore::take_changes`]), so the connector can publish
 //! them as KV events of medium `"STORAGE"` (`journal.rs`).
 
+mod aligned;
 pub mod config;
 mod error;
+mod faults;
 mod file;
 mod index;
 mod io_pool;

@@ -4,17 +4,19 @@
 //! threads.
 //!
 //! A slot holds only the payload, on page boundaries, so with `O_DIRECT` a block whose
-//! slices are aligned as the kernel asks (`file::DioAlign`) and at least a page each
-//! (`MIN_DIRECT_SLICE` says why) moves straight between the slot and its slices (`preadv`/`pwritev`; a last part that is not a whole alignment
-//! unit goes through a small aligned scratch). Slices that are not aligned go through a
-//! slot-sized aligned buffer and a copy (counted: `bounced_reads`, `bounced_writes`).
+//! slices are aligned as the kernel asks (`aligned::DioAlign`) and at least a page each
+//! (`MIN_DIRECT_SLICE` says why) moves straight between the slot and its slices
+//! (`preadv`/`pwritev`; a last part that is not a whole alignment unit goes through a
+//! small aligned scratch), counted (`direct_reads`, `direct_writes`). Other slices go
+//! through a slot-sized aligned buffer and a copy (`bounced_reads`, `bounced_writes`).
 //! With the page cache the kernel copies between the cache and the slices anyway.
 
 use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
 
+use super::aligned::{AlignedBuf, DioAlign};
 use super::error::IoKind;
-use super::file::{self, AlignedBuf, DioAlign};
+use super::file;
 use super::layout::{Entry, PayloadSum, ALIGN, ENTRY_BYTES};
 use super::recovery::read_entry;
 use super::source::Block;

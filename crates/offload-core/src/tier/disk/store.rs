@@ -11,8 +11,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
+use super::aligned::AlignedBuf;
 use super::error::{DiskError, IoKind};
-use super::file::{self, AlignedBuf, DataFile, DiskFaults, FileSet};
+use super::file::{self, DataFile, DiskFaults, FileSet};
 use super::index::{Placement, SlotIndex};
 use super::io_pool::IoPool;
 use super::journal::{DiskChanges, Journal};
