@@ -9,7 +9,8 @@
 //!
 //! The tier's reads take the worker's path: `RemoteTier::fetch_into` straight into CPU
 //! blocks laid out as the CPU tier's (one slice per layer region), so they end where
-//! Simple's loop ends, in host memory the GPU copies from.
+//! Simple's loop ends, in host memory the GPU copies from. Its writes take the worker's
+//! write-behind path too: `RemoteTier::store` of those CPU blocks' slices.
 //!
 //! Prints one JSON object (medians of `RUNS` interleaved runs, and every run). Settings by
 //! environment: `KVOFFLOAD_BENCH_DIR` (default the temp dir: put it on the disk to
