@@ -660,7 +660,8 @@ def disk_tier_table() -> str:
             f"first; {rb['seconds_per_100k']:.3f} s per 100k blocks, goal <= 1 s). 5 M blocks "
             f"did not fit this disk (a slot takes at least 4 KiB: {5e6 * 4096 / 1e9:.0f} GB); the "
             f"rebuild reads "
-            f"the index file once and decodes each 64-byte entry, so its time grows linearly: "
+            f"the index file once and decodes each entry (64 bytes when this was measured, "
+            f"128 since file format 4), so its time grows linearly: "
             f"about {per * 5e6:.1f} s for 5 M blocks."
         )
     return f"{head}\n\n" + "\n".join(rows) + "\n\n" + "\n".join(goals) + "\n"

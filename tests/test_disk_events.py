@@ -19,7 +19,7 @@ import pytest
 from sched_harness import SchedHarness
 
 #: Four 4 KiB slots (one set) of the harness's 1 KiB blocks, with their index entries.
-FOUR_SLOTS = 4096 + 4 * (4096 + 64)
+FOUR_SLOTS = 4096 + 4 * (4096 + 128)
 
 
 def _disk(tmp_path: Path, **extra: Any) -> dict[str, Any]:

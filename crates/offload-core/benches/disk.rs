@@ -9,7 +9,8 @@
 //!
 //! The tier's reads take the worker's path: `RemoteTier::fetch_into` straight into CPU
 //! blocks laid out as the CPU tier's (one slice per layer region), so they end where
-//! Simple's loop ends, in host memory the GPU copies from.
+//! Simple's loop ends, in host memory the GPU copies from. Its writes take the worker's
+//! write-behind path too: `RemoteTier::store` of those CPU blocks' slices.
 //!
 //! Prints one JSON object (medians of `RUNS` interleaved runs, and every run). Settings by
 //! environment: `KVOFFLOAD_BENCH_DIR` (default the temp dir: put it on the disk to
@@ -33,7 +34,7 @@ use disk_support::{
     tier_read, tier_write, CpuBlocks, Obj, RAW_CHUNK,
 };
 use offload_core::tier::disk::{DiskOptions, DiskStore, Placement, SlotIndex, DEFAULT_IO_THREADS};
-use offload_core::tier::value::{checksum_ok, copy_verified, encode, encoded_len};
+use offload_core::tier::value::{checksum_ok, copy_verified, encode};
 use offload_core::tier::LayoutFingerprint;
 
 const RUNS: usize = 5;
@@ -63,8 +64,7 @@ fn io_threads() -> usize {
 /// Every figure of one block size and I/O mode.
 fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f64; 7]) {
     let n = (total / block as u64).max(BATCH as u64);
-    let value = encoded_len(16, block) as u64;
-    let slot = value.div_ceil(4096) * 4096;
+    let slot = (block as u64).div_ceil(4096) * 4096;
     let raw_len = (n * block as u64).div_ceil(RAW_CHUNK as u64) * RAW_CHUNK as u64;
     let raw_path = dir.join("raw");
     let py_path = dir.join("simple");
@@ -72,12 +72,26 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
     let payload: Vec<u8> = (0..block).map(|i| (i * 31 % 251) as u8).collect();
     // Twice the blocks: a block's set is chosen by its hash, so a full set evicts before
     // the whole capacity is used (see `layout`).
-    let mut opts = DiskOptions::new(dir.join("kv.rank_0"), 4096 + 2 * n * (slot + 64), value, FP);
+    let mut opts = DiskOptions::new(
+        dir.join("kv.rank_0"),
+        4096 + 2 * n * (slot + 128),
+        block as u64,
+        FP,
+    );
     opts.use_page_cache = page_cache;
     opts.io_threads = io_threads();
     let store = DiskStore::open(&opts).expect("open the tier");
     let mut t = tier(&store);
     let cpu = CpuBlocks::new(block, BATCH as u32);
+    for id in 0..BATCH as u32 {
+        // SAFETY: nothing else uses the CPU blocks yet.
+        let parts = unsafe { cpu.blocks.block_parts_mut(id) }.expect("CPU block");
+        let mut at = 0;
+        for p in parts {
+            p.copy_from_slice(&payload[at..at + p.len()]);
+            at += p.len();
+        }
+    }
     let direct = !page_cache;
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); NAMES.len()];
     // The Python loop's file: n blocks, aligned as Simple lays them.
@@ -88,7 +102,7 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
         // them back.
         let ids: Vec<u64> = (run as u64 * n..(run as u64 + 1) * n).collect();
         runs[0].push(raw(&raw_path, raw_len, true, direct));
-        runs[1].push(tier_write(&mut t, &ids, &payload, BATCH));
+        runs[1].push(tier_write(&mut t, &cpu, &ids, block, BATCH));
         runs[2].push(raw(&raw_path, raw_len, false, direct));
         runs[3].push(tier_read(&mut t, &cpu, &ids, block, BATCH));
         let order: Vec<u64> = shuffled(n, run as u64 + 1)
@@ -241,11 +255,10 @@ fn index_scale(entries: u64) -> Obj {
 /// out of the page cache: the restart's index rebuild.
 fn rebuild(dir: &Path, blocks: u64) -> Obj {
     let block = 4000usize;
-    let value = encoded_len(16, block) as u64;
     // A quarter more slots than blocks: a set that fills evicts before the capacity does.
-    let cap = 4096 + (blocks + blocks / 4) * (4096 + 64);
+    let cap = 4096 + (blocks + blocks / 4) * (4096 + 128);
     let path = dir.join("rebuild.rank_0");
-    let mut opts = DiskOptions::new(&path, cap, value, FP);
+    let mut opts = DiskOptions::new(&path, cap, block as u64, FP);
     opts.persist = true;
     let payload = vec![7u8; block];
     let write_s = {

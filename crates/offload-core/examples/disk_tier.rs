@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use offload_core::tier::disk::{DiskOptions, DiskProbe, DiskStore};
-use offload_core::tier::value::encoded_len;
 use offload_core::tier::{FetchRequest, KeySpace, KvLayout, RemoteTier, TierStats, WorkerTier};
 use offload_core::transfer::{Direction, RegionSpec, TransferConfig, TransferEngine, TransferJob};
 
@@ -82,8 +81,7 @@ fn main() -> Result<ExitCode, BoxError> {
     );
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("kv.rank_0");
-    let value = encoded_len(16, BLOCK_BYTES) as u64;
-    let mut opts = DiskOptions::new(&path, 64 << 20, value, layout().fingerprint());
+    let mut opts = DiskOptions::new(&path, 64 << 20, BLOCK_BYTES as u64, layout().fingerprint());
     opts.persist = true;
 
     // Engine A: device blocks -> CPU blocks -> written behind to disk.

@@ -171,16 +171,18 @@ fn corrupted_and_truncated_blocks_are_counted_misses_and_free_their_slot() {
         let mut t = tier(&store);
         assert_eq!(store_blocks(&mut t, 0..3, ODD), 3);
         let data = store.open_data_file().unwrap();
-        // A flipped payload byte: caught by the full checksum.
+        // Flipped payload bytes, one of them the last (past the last whole alignment
+        // unit): caught by the payload's checksum.
         let at = store.offset_of(&key(0)).unwrap();
         data.write_all_at(&[0xff, 0x00, 0xff], at + 2000).unwrap();
-        // A flipped trailer: caught against the index entry.
-        let at = store.offset_of(&key(1)).unwrap();
-        data.write_all_at(
-            &[0x42; 8],
-            at + common::disk::HASH_BYTES as u64 + 32 + ODD as u64,
-        )
-        .unwrap();
+        data.write_all_at(&[0x42], at + ODD as u64 - 1).unwrap();
+        // The entry's payload checksum changed: caught by the entry's own checksum.
+        let idx = std::fs::OpenOptions::new()
+            .write(true)
+            .open(store.index_path())
+            .unwrap();
+        idx.write_all_at(&[0x42; 8], store.entry_offset_of(&key(1)).unwrap() + 40)
+            .unwrap();
         assert_eq!(
             fetch_blocks(&mut t, &[0, 1, 2], ODD),
             [None, None, Some(true)]
@@ -257,9 +259,9 @@ fn a_half_written_block_is_never_served_after_restart() {
     let s = Scratch::new("torn");
     let mut o = options(&s.rank_path(), ODD, 16);
     o.persist = true;
-    let slot_bytes = (o.value_bytes.div_ceil(4096) * 4096) as usize;
     {
         let store = DiskStore::open(&o).unwrap();
+        let slot_bytes = store.slot_bytes() as usize;
         assert_eq!(store_blocks(&mut tier(&store), 0..3, ODD), 3);
         let data = store.open_data_file().unwrap();
         // Block 0: the entry committed, the data only half there (a crash mid-write).
@@ -267,12 +269,11 @@ fn a_half_written_block_is_never_served_after_restart() {
         data.write_all_at(&vec![0u8; slot_bytes / 2], at + slot_bytes as u64 / 2)
             .unwrap();
         // Block 1: its entry torn (written without its checksum).
-        let slot = store.offset_of(&key(1)).unwrap() / slot_bytes as u64;
         let idx = std::fs::OpenOptions::new()
             .write(true)
             .open(store.index_path())
             .unwrap();
-        idx.write_all_at(&[0x13; 20], 4096 + slot * 64 + 30)
+        idx.write_all_at(&[0x13; 20], store.entry_offset_of(&key(1)).unwrap() + 30)
             .unwrap();
     }
     let store = DiskStore::open(&o).unwrap();

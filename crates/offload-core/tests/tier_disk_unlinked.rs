@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use common::disk::{fetch_blocks, fill_blocks, options, store_blocks, tier, Scratch};
-use offload_core::tier::disk::DiskStore;
+use offload_core::tier::disk::{DiskStore, ENTRY_BYTES};
 
 /// A block size that is no multiple of 4 KiB.
 const ODD: usize = 5003;
@@ -90,11 +90,11 @@ fn an_owner_that_dies_without_shutdown_leaves_only_the_small_index() {
         "the child must run and die by abort: {child:?}"
     );
     assert_eq!(s.files(), ["kv.rank_0.idx"]);
-    // 64 B per slot and a 4 KiB header: far below the data's 64 slots of 8 KiB.
+    // 128 B per slot and a 4 KiB header: far below the data's 64 slots of 8 KiB.
     let idx = std::fs::metadata(s.dir.join("kv.rank_0.idx"))
         .unwrap()
         .len();
-    assert!(idx <= 4096 + 64 * 64, "{idx}");
+    assert!(idx <= 4096 + 64 * ENTRY_BYTES as u64, "{idx}");
     // The next engine on the path takes the lock and starts empty.
     let store = DiskStore::open(&options(&s.rank_path(), ODD, 64)).unwrap();
     assert_eq!(fetch_blocks(&mut tier(&store), &[0, 7], ODD), [None, None]);

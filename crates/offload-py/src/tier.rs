@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use offload_core::tier::config::DEFAULT_REMOTE_NAMESPACE;
 use offload_core::tier::disk::{DiskOptions, DiskProbe, DiskStats, DiskStore};
-use offload_core::tier::value::encoded_len;
 use offload_core::tier::{
     sharing_problem, FetchRequest, KeySpace, KvLayout, RedisStore, RemoteStore, RemoteTier,
     StackedStore, TierSnapshot, TierStats, WorkerTier,
@@ -127,7 +126,7 @@ pub(crate) fn connect(
                 let mut opts = DiskOptions::new(
                     d.rank_path(layout.tp_rank),
                     d.capacity_bytes,
-                    encoded_len(HASH_BYTES, block_bytes) as u64,
+                    block_bytes as u64,
                     keys.fingerprint(),
                 );
                 opts.use_page_cache = d.use_page_cache;

@@ -265,20 +265,35 @@ pub(crate) fn tier_read(
     (order.len() * block) as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
-/// GB/s of payload written through the tier, blocks `ids`, `batch` blocks a store. The
-/// ids must be new to the tier: a block already there is not written again.
-pub(crate) fn tier_write(t: &mut RemoteTier, ids: &[u64], payload: &[u8], batch: usize) -> f64 {
+/// GB/s of payload written through the tier, blocks `ids`, `batch` blocks a store, from
+/// CPU blocks as the worker writes behind (a block's layer slices: the `j`th block of a
+/// store comes from CPU block `j`). The ids must be new to the tier: a block already
+/// there is not written again.
+pub(crate) fn tier_write(
+    t: &mut RemoteTier,
+    cpu: &CpuBlocks,
+    ids: &[u64],
+    block: usize,
+    batch: usize,
+) -> f64 {
     let start = Instant::now();
     for chunk in ids.chunks(batch) {
-        let blocks: Vec<([u8; 16], Vec<&[u8]>)> =
-            chunk.iter().map(|&i| (hash(i), vec![payload])).collect();
+        let blocks: Vec<([u8; 16], Vec<&[u8]>)> = (0..chunk.len() as u32)
+            .zip(chunk)
+            .map(|(id, &i)| {
+                // SAFETY: the bench is the only user of these blocks and nothing writes
+                // them while they are stored; the slices are only read.
+                let parts = unsafe { cpu.blocks.block_parts_mut(id) }.expect("CPU block");
+                (hash(i), parts.into_iter().map(|p| &*p).collect())
+            })
+            .collect();
         assert_eq!(
             t.store(&blocks).expect("store"),
             chunk.len(),
             "a write skipped"
         );
     }
-    (ids.len() * payload.len()) as f64 / start.elapsed().as_secs_f64() / 1e9
+    (ids.len() * block) as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
 /// Just enough JSON writing for objects of numbers, strings, lists and objects.

@@ -122,7 +122,17 @@ impl<'a> ValueParts<'a> {
         self.hash
     }
 
-    fn payload_len(&self) -> usize {
+    /// The layout the value is for.
+    pub(crate) fn fingerprint(&self) -> LayoutFingerprint {
+        self.fingerprint
+    }
+
+    /// The block's bytes, in parts, concatenated in order.
+    pub(crate) fn payload(&self) -> &[&'a [u8]] {
+        &self.payload
+    }
+
+    pub(crate) fn payload_len(&self) -> usize {
         self.payload.iter().map(|p| p.len()).sum()
     }
 
@@ -277,28 +287,6 @@ fn decode_checked<'a>(
         return Err(ValueError::Hash);
     }
     Ok(&value[FIXED_HEADER + hash_len..len - TRAILER])
-}
-
-/// [`decode_verified`]'s checks of a value read in pieces, its `header` (the bytes before
-/// the payload) apart from the payload: the value is `value_len` bytes and its checksum
-/// was verified by the caller.
-pub(crate) fn check_header(
-    header: &[u8],
-    value_len: usize,
-    fingerprint: LayoutFingerprint,
-    hash: &[u8],
-    block_bytes: usize,
-) -> Result<(), ValueError> {
-    if header.len() < FIXED_HEADER || value_len < FIXED_HEADER + TRAILER {
-        return Err(ValueError::TooShort { len: value_len });
-    }
-    let hash_len = check_fields(header, value_len, fingerprint, block_bytes)?;
-    // The lengths agree with `value_len`, so a header of another hash length than the
-    // caller cut is a `Hash` mismatch here, never an index out of range.
-    if header.get(FIXED_HEADER..FIXED_HEADER + hash_len) != Some(hash) {
-        return Err(ValueError::Hash);
-    }
-    Ok(())
 }
 
 /// Checks the fixed header at the start of `header` (at least [`FIXED_HEADER`] bytes) of

@@ -5,8 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use offload_core::tier::disk::{DiskOptions, DiskStore};
-use offload_core::tier::value::encoded_len;
+use offload_core::tier::disk::{DiskOptions, DiskStore, ENTRY_BYTES};
 use offload_core::tier::{KeySpace, LayoutFingerprint, RemoteTier, TierStats};
 
 /// Fingerprint of the tests' layout.
@@ -58,9 +57,13 @@ impl Drop for Scratch {
 
 /// Options for blocks of `block_bytes` in `slots` slots at `path`.
 pub fn options(path: &Path, block_bytes: usize, slots: u64) -> DiskOptions {
-    let value = encoded_len(HASH_BYTES, block_bytes) as u64;
-    let slot = value.div_ceil(4096) * 4096;
-    DiskOptions::new(path, 4096 + slots * (slot + 64), value, FP)
+    let slot = (block_bytes as u64).div_ceil(4096) * 4096;
+    DiskOptions::new(
+        path,
+        4096 + slots * (slot + ENTRY_BYTES as u64),
+        block_bytes as u64,
+        FP,
+    )
 }
 
 /// Block `i`'s hash.

@@ -36,14 +36,14 @@ pub enum DiskError {
     },
     /// The capacity holds not one block.
     #[error(
-        "disk tier: disk_capacity_bytes={capacity} holds no block of {value_bytes} bytes \
-         (with its 64-byte index entry and a 4 KiB header)"
+        "disk tier: disk_capacity_bytes={capacity} holds no block of {block_bytes} bytes \
+         (in a slot of whole 4 KiB pages, with its 128-byte index entry and a 4 KiB header)"
     )]
     TooSmall {
         /// The capacity given.
         capacity: u64,
-        /// Bytes of one stored block.
-        value_bytes: u64,
+        /// Bytes of one block.
+        block_bytes: u64,
     },
 }
 

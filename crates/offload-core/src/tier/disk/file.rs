@@ -1,122 +1,19 @@
-//! The tier's files: opening them (lock, `O_DIRECT` probe, reserved space), aligned
-//! buffers, and positional reads and writes with their errors sorted by kind and the
-//! faults of a [`FaultPlan`] injected.
+//! The tier's files: opening them (lock, `O_DIRECT` probe and the kernel's alignment,
+//! reserved space), and positional reads and writes, vectored too, with their errors
+//! sorted by kind and the faults of a [`FaultPlan`](crate::transfer::FaultPlan) injected
+//! (`faults.rs`).
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 
+use super::aligned::{AlignedBuf, DioAlign};
 use super::error::{DiskError, IoKind};
+pub(crate) use super::faults::DiskFaults;
+use super::faults::ReadFault;
 use super::layout::ALIGN;
-use crate::transfer::fault::hits;
-use crate::transfer::FaultPlan;
-
-/// A zeroed buffer aligned for `O_DIRECT`.
-pub(crate) struct AlignedBuf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the buffer owns its allocation exclusively, like a Vec<u8>.
-unsafe impl Send for AlignedBuf {}
-
-impl AlignedBuf {
-    /// `len` bytes (a multiple of [`ALIGN`], non-zero), all zero.
-    pub(crate) fn new(len: usize) -> Self {
-        let layout = Self::layout(len);
-        // SAFETY: the layout has a non-zero size (at least ALIGN).
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        Self { ptr, len }
-    }
-
-    fn layout(len: usize) -> Layout {
-        // ALIGN is a power of two and len is bounded by the slot size; a failure here is
-        // a bug in the geometry, not input.
-        Layout::from_size_align(len.max(ALIGN as usize), ALIGN as usize)
-            .unwrap_or_else(|_| Layout::new::<[u8; ALIGN as usize]>())
-    }
-
-    pub(crate) fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for len initialized (zeroed, then written) bytes while
-        // self lives.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in as_slice, and &mut self makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in new() with this same layout.
-        unsafe { dealloc(self.ptr, Self::layout(self.len)) };
-    }
-}
-
-/// Which faults to inject into disk I/O, counting calls as they come.
-#[derive(Debug, Default)]
-pub(crate) struct DiskFaults {
-    plan: FaultPlan,
-    writes: AtomicU32,
-    reads: AtomicU32,
-}
-
-impl DiskFaults {
-    pub(crate) fn new(plan: FaultPlan) -> Self {
-        Self {
-            plan,
-            ..Self::default()
-        }
-    }
-
-    fn write_fault(&self) -> Option<io::Error> {
-        let plan = &self.plan;
-        if plan.disk_enospc_every == 0 && plan.disk_write_eio_every == 0 {
-            return None;
-        }
-        let n = self.writes.fetch_add(1, Ordering::Relaxed) + 1;
-        if hits(n, plan.disk_enospc_every) {
-            return Some(io::Error::from_raw_os_error(libc::ENOSPC));
-        }
-        hits(n, plan.disk_write_eio_every).then(|| io::Error::from_raw_os_error(libc::EIO))
-    }
-
-    /// The fault for the next read: an error, a short read, or a flipped byte.
-    fn read_fault(&self) -> Option<ReadFault> {
-        let plan = &self.plan;
-        if plan.disk_read_eio_every == 0
-            && plan.disk_short_read_every == 0
-            && plan.disk_corrupt_read_every == 0
-        {
-            return None;
-        }
-        let n = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
-        if hits(n, plan.disk_read_eio_every) {
-            Some(ReadFault::Eio)
-        } else if hits(n, plan.disk_short_read_every) {
-            Some(ReadFault::Short)
-        } else if hits(n, plan.disk_corrupt_read_every) {
-            Some(ReadFault::Corrupt)
-        } else {
-            None
-        }
-    }
-}
-
-enum ReadFault {
-    Eio,
-    Short,
-    Corrupt,
-}
 
 /// An I/O that failed, by kind.
 pub(crate) fn classify(e: &io::Error) -> IoKind {
@@ -136,11 +33,17 @@ const IOV_MAX: usize = 1024;
 pub(crate) struct DataFile {
     file: File,
     direct: bool,
+    align: DioAlign,
 }
 
 impl DataFile {
     pub(crate) fn is_direct(&self) -> bool {
         self.direct
+    }
+
+    /// What a direct transfer asks of its buffers (meaningful when [`Self::is_direct`]).
+    pub(crate) fn align(&self) -> DioAlign {
+        self.align
     }
 
     pub(crate) fn file(&self) -> &File {
@@ -305,6 +208,87 @@ impl DataFile {
         }
         Ok(())
     }
+
+    /// Writes `parts` in order at `offset`, about `group` bytes a `pwritev` (more than one
+    /// past [`IOV_MAX`] pieces), handing each piece to `leaving` just before its group is
+    /// written: a caller that sums the pieces reads them while the kernel's copy still
+    /// finds them in cache. Anything less than every byte is an error of kind `Short`.
+    /// The faults [`Self::write`] injects apply once per call.
+    pub(crate) fn write_parts(
+        &self,
+        parts: &[&[u8]],
+        offset: u64,
+        faults: &DiskFaults,
+        group: usize,
+        mut leaving: impl FnMut(&[u8]),
+    ) -> Result<(), IoKind> {
+        if let Some(e) = faults.write_fault() {
+            return Err(classify(&e));
+        }
+        let group = group.max(1);
+        let pieces: Vec<&[u8]> = parts
+            .iter()
+            .flat_map(|p| p.chunks(group))
+            .filter(|p| !p.is_empty())
+            .collect();
+        let mut at = offset;
+        let mut rest = &pieces[..];
+        while !rest.is_empty() {
+            let mut n = 0;
+            let mut bytes = 0;
+            while n < rest.len().min(IOV_MAX) && (n == 0 || bytes + rest[n].len() <= group) {
+                bytes += rest[n].len();
+                n += 1;
+            }
+            let (now, later) = rest.split_at(n);
+            for piece in now {
+                leaving(piece);
+            }
+            self.write_all_parts(now, at)?;
+            at += bytes as u64;
+            rest = later;
+        }
+        Ok(())
+    }
+
+    /// One `pwritev` of `pieces` (at most [`IOV_MAX`]) at `offset`, retried when
+    /// interrupted; a short write is an error of kind `Short`, not resumed: the slot's
+    /// entry is then not written, so whatever part of it landed is never served.
+    fn write_all_parts(&self, pieces: &[&[u8]], offset: u64) -> Result<(), IoKind> {
+        let iov: Vec<libc::iovec> = pieces
+            .iter()
+            .map(|p| libc::iovec {
+                iov_base: p.as_ptr().cast_mut().cast(),
+                iov_len: p.len(),
+            })
+            .collect();
+        let want: usize = pieces.iter().map(|p| p.len()).sum();
+        let Ok(pos) = libc::off_t::try_from(offset) else {
+            return Err(IoKind::Invalid);
+        };
+        loop {
+            // SAFETY: every iovec points into a `&[u8]` of `pieces`, borrowed for this
+            // call, with its length; the kernel only reads them. At most IOV_MAX.
+            let n = unsafe {
+                libc::pwritev(
+                    self.file.as_raw_fd(),
+                    iov.as_ptr(),
+                    iov.len() as libc::c_int,
+                    pos,
+                )
+            };
+            match usize::try_from(n) {
+                Ok(n) if n == want => return Ok(()),
+                Ok(_) => return Err(IoKind::Short),
+                Err(_) => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(classify(&e));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The paths of a rank's file set.
@@ -397,7 +381,14 @@ pub(crate) fn lock_exclusive(file: &File, path: &Path) -> Result<(), DiskError> 
 pub(crate) fn open_data(path: &Path, page_cache: bool) -> Result<DataFile, DiskError> {
     if !page_cache {
         match open_rw(path, true) {
-            Ok(file) => return Ok(DataFile { file, direct: true }),
+            Ok(file) => {
+                let align = DioAlign::of(&file);
+                return Ok(DataFile {
+                    file,
+                    direct: true,
+                    align,
+                });
+            }
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => fallback_logged(path),
             Err(e) => return Err(open_err(path)(e)),
         }
@@ -406,6 +397,7 @@ pub(crate) fn open_data(path: &Path, page_cache: bool) -> Result<DataFile, DiskE
     Ok(DataFile {
         file,
         direct: false,
+        align: DioAlign::PAGE,
     })
 }
 
@@ -436,6 +428,7 @@ impl DataFile {
         Ok(Self {
             file,
             direct: false,
+            align: DioAlign::PAGE,
         })
     }
 }

@@ -139,7 +139,8 @@ impl SlotIndex {
     /// (for the benchmark: no files behind it). `None` for fewer than 64 slots.
     pub fn with_slots(slots: u64) -> Option<Self> {
         Geometry::fit(
-            super::layout::IDX_HEADER + slots * (super::layout::ALIGN + 64),
+            super::layout::IDX_HEADER
+                + slots * (super::layout::ALIGN + super::layout::ENTRY_BYTES as u64),
             super::layout::ALIGN,
             0,
         )
@@ -396,8 +397,10 @@ impl SlotIndex {
 mod tests {
     use super::*;
 
+    use super::super::layout::ENTRY_BYTES;
+
     fn geo(slots: u64) -> Geometry {
-        Geometry::fit(4096 + slots * (4096 + 64), 4000, 1).unwrap()
+        Geometry::fit(4096 + slots * (4096 + ENTRY_BYTES as u64), 4000, 1).unwrap()
     }
 
     #[test]

@@ -1,36 +1,48 @@
 //! What the tier's files hold: the geometry, the index file's header and its entries.
 //!
-//! A rank's file set is `<disk_path>.rank_<N>` (the data: one slot per block, each slot
-//! a whole number of 4 KiB pages so `O_DIRECT` can write it) and `<...>.idx` (a 4 KiB
-//! header, then one 64-byte entry per slot). An entry names the slot's block by a 128-bit
-//! digest of its key and commits to the value by its checksum:
+//! A rank's file set is `<disk_path>.rank_<N>` (the data: one slot per block) and
+//! `<...>.idx` (a 4 KiB header, then one 128-byte entry per slot). A slot holds exactly
+//! the block's payload, nothing else, from a 4 KiB boundary: its size is the payload
+//! rounded up to 4 KiB, so a 64 KiB block takes a 64 KiB slot and `O_DIRECT` reads and
+//! writes go straight between the slot and the CPU block's slices. What says which block
+//! a slot holds is its entry: the block's key digest and hash, and a checksum of the
+//! payload bound to the key:
 //!
 //! ```text
 //! 0   magic "KVDE"               4
-//! 4   reserved                   4
+//! 4   hash length (u16)          2   at most 64
+//! 6   reserved                   2
 //! 8   key digest (u128)          16
-//! 24  value length (u64)         8
+//! 24  payload length (u64)       8
 //! 32  write sequence (u64)       8   orders writes, so a rebuilt index keeps LRU order
-//! 40  value checksum (u64)       8   the value's own trailer
-//! 48  reserved                   8
-//! 56  entry checksum (u64)       8   over bytes 0..56
+//! 40  payload checksum (u64)     8   `value_sum` of the payload, bound to the key digest
+//! 48  block hash                 64  vLLM's hash (hash length bytes, then zeros), announced
+//!                                    in KV events for blocks a restart recovered
+//! 112 reserved                   8
+//! 120 entry checksum (u64)       8   over bytes 0..120
 //! ```
-//! A block is written data first, entry second; a crash between the two leaves an entry
-//! that names the old block over new bytes (or a torn entry), and every read checks the
-//! value against the entry and its own checksum, so such a slot is a miss, never served.
+//! The index file's header carries the layout fingerprint and the geometry, so a slot's
+//! bytes need no header of their own. A block is written data first, entry second; a
+//! crash between the two leaves an entry that names the old block over new bytes (or a
+//! torn entry), and every read checks the payload against the entry's checksum, which
+//! binds it to the key digest too (bytes of another block are a miss even where an
+//! entry of theirs would be valid), so such a slot is a miss, never served.
 //!
 //! Slots are grouped in sets of [`MAX_WAYS`]: a key lives in the set its digest picks, so
 //! the scheduler (another process) finds a block by reading one set's entries, without an
 //! index of its own, and eviction is LRU within the set.
 
 use super::super::checksum::checksum;
+use super::super::value_sum::ValueSum;
+use crate::tier::MAX_HASH_BYTES;
 
-/// `O_DIRECT` alignment of offsets, lengths and buffers.
+/// Slots start and end on this boundary (a page: what `O_DIRECT` asks of offsets on any
+/// file system this runs on; the memory side is asked of the kernel, `file.rs`).
 pub(crate) const ALIGN: u64 = 4096;
 /// Bytes before the first entry of the index file.
 pub(crate) const IDX_HEADER: u64 = 4096;
-/// Bytes of one entry.
-pub(crate) const ENTRY_BYTES: usize = 64;
+/// Bytes of one entry of the index file.
+pub const ENTRY_BYTES: usize = 128;
 /// Slots per set.
 pub(crate) const MAX_WAYS: u64 = 64;
 
@@ -41,17 +53,27 @@ const FILE_MAGIC: &[u8; 8] = b"KVOFDISK";
 /// 3: the values in the slots are value format 2 (another checksum); a version-2 file
 /// holds format-1 values this build would only fail one by one, counted as checksum
 /// failures, so it is wiped at start instead. The file's own layout is unchanged.
-const FILE_VERSION: u32 = 3;
+/// 4: a slot holds only the block's payload, page-aligned (a value's header cost a whole
+/// page per 64 KiB block and kept `O_DIRECT` from reading into the CPU block), and what
+/// the header said moved into 128-byte entries. A version-3 file has other slot and
+/// entry sizes: it is wiped at start, never read.
+const FILE_VERSION: u32 = 4;
 const ENTRY_MAGIC: &[u8; 4] = b"KVDE";
 const ENTRY_SEED: u64 = 0x6b76_6469_736b_656e;
 const DIGEST_SEEDS: [u64; 2] = [0x6469_736b_6b65_7931, 0x6469_736b_6b65_7932];
+/// Seeds the payload's `value_sum`.
+const PAYLOAD_SEED: u64 = 0x6b76_7061_796c_6f64;
+/// Seeds the checksum that binds a payload's sum to its key digest.
+const BIND_SEED: u64 = 0x6b76_6269_6e64_6b79;
+/// Bytes of an entry its checksum covers.
+const ENTRY_BODY: usize = ENTRY_BYTES - 8;
 
 /// How a rank's capacity is cut into slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Geometry {
-    /// Bytes of one stored value (header, block, checksum).
-    pub value_len: u64,
-    /// Bytes of one slot: `value_len` rounded up to [`ALIGN`].
+    /// Bytes of one block's payload (what a slot holds).
+    pub block_bytes: u64,
+    /// Bytes of one slot: `block_bytes` rounded up to [`ALIGN`].
     pub slot_bytes: u64,
     /// Slots in the data file.
     pub slots: u64,
@@ -62,10 +84,10 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
-    /// The most slots of `value_len`-byte values that fit `capacity` with their entries
+    /// The most slots of `block_bytes`-byte blocks that fit `capacity` with their entries
     /// and the index header; `None` when not one set fits.
-    pub(crate) fn fit(capacity: u64, value_len: u64, fingerprint: u128) -> Option<Self> {
-        let slot_bytes = value_len.div_ceil(ALIGN).checked_mul(ALIGN)?;
+    pub(crate) fn fit(capacity: u64, block_bytes: u64, fingerprint: u128) -> Option<Self> {
+        let slot_bytes = block_bytes.max(1).div_ceil(ALIGN).checked_mul(ALIGN)?;
         let per_slot = slot_bytes + ENTRY_BYTES as u64;
         let mut slots = capacity.checked_sub(IDX_HEADER)? / per_slot;
         let ways = slots.min(MAX_WAYS);
@@ -74,7 +96,7 @@ impl Geometry {
         }
         slots -= slots % ways;
         Some(Self {
-            value_len,
+            block_bytes,
             slot_bytes,
             slots,
             ways,
@@ -121,7 +143,7 @@ impl Geometry {
         h.extend_from_slice(FILE_MAGIC);
         h.extend_from_slice(&FILE_VERSION.to_le_bytes());
         h.extend_from_slice(&[0; 4]);
-        for n in [self.value_len, self.slot_bytes, self.slots, self.ways] {
+        for n in [self.block_bytes, self.slot_bytes, self.slots, self.ways] {
             h.extend_from_slice(&n.to_le_bytes());
         }
         h.extend_from_slice(&self.fingerprint.to_le_bytes());
@@ -148,13 +170,16 @@ impl Geometry {
         let n =
             |i: usize| u64::from_le_bytes(h[16 + 8 * i..24 + 8 * i].try_into().unwrap_or([0; 8]));
         let geo = Self {
-            value_len: n(0),
+            block_bytes: n(0),
             slot_bytes: n(1),
             slots: n(2),
             ways: n(3),
             fingerprint: u128::from_le_bytes(h[48..64].try_into().ok()?),
         };
-        (geo.ways > 0 && geo.slots % geo.ways == 0 && geo.slot_bytes >= geo.value_len)
+        (geo.ways > 0
+            && geo.slots % geo.ways == 0
+            && geo.slot_bytes >= geo.block_bytes
+            && geo.slot_bytes % ALIGN == 0)
             .then_some(geo)
     }
 }
@@ -167,25 +192,85 @@ pub(crate) fn key_digest(key: &[u8]) -> u128 {
     (u128::from(hi) << 64 | u128::from(lo)).max(1)
 }
 
-/// One slot's entry as stored.
+/// The checksum an entry keeps of its slot's payload, summed a piece at a time as the
+/// pieces are written or arrive: the payload's `value_sum`, then bound to the key digest,
+/// so the bytes of one block under another block's entry never match.
+pub(crate) struct PayloadSum {
+    sum: ValueSum,
+    digest: u128,
+}
+
+impl PayloadSum {
+    /// The sum of the payload of the block whose key digests to `digest`.
+    pub(crate) fn new(digest: u128) -> Self {
+        Self {
+            sum: ValueSum::new(PAYLOAD_SEED),
+            digest,
+        }
+    }
+
+    /// Adds the payload's next bytes.
+    pub(crate) fn update(&mut self, piece: &[u8]) {
+        self.sum.update(piece);
+    }
+
+    /// The sum of the pieces given, bound to the key digest.
+    pub(crate) fn finish(&self) -> u64 {
+        let payload = self.sum.finish().to_le_bytes();
+        checksum(BIND_SEED, &[&payload, &self.digest.to_le_bytes()])
+    }
+}
+
+/// One slot's entry as stored: which block the slot holds and what its payload sums to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Entry {
     pub digest: u128,
-    pub value_len: u64,
+    pub payload_len: u64,
     pub seq: u64,
-    pub value_sum: u64,
+    pub payload_sum: u64,
+    hash: [u8; MAX_HASH_BYTES],
+    hash_len: u8,
 }
 
 impl Entry {
+    /// The entry of block `hash` (cut to [`MAX_HASH_BYTES`]) under key digest `digest`.
+    pub(crate) fn new(
+        digest: u128,
+        payload_len: u64,
+        seq: u64,
+        payload_sum: u64,
+        hash: &[u8],
+    ) -> Self {
+        let hash = &hash[..hash.len().min(MAX_HASH_BYTES)];
+        let mut h = [0u8; MAX_HASH_BYTES];
+        h[..hash.len()].copy_from_slice(hash);
+        Self {
+            digest,
+            payload_len,
+            seq,
+            payload_sum,
+            hash: h,
+            // At most MAX_HASH_BYTES (64), so it fits.
+            hash_len: hash.len() as u8,
+        }
+    }
+
+    /// The block's hash, as vLLM gave it.
+    pub(crate) fn hash(&self) -> &[u8] {
+        &self.hash[..usize::from(self.hash_len)]
+    }
+
     pub(crate) fn encode(&self) -> [u8; ENTRY_BYTES] {
         let mut e = [0u8; ENTRY_BYTES];
         e[..4].copy_from_slice(ENTRY_MAGIC);
+        e[4..6].copy_from_slice(&u16::from(self.hash_len).to_le_bytes());
         e[8..24].copy_from_slice(&self.digest.to_le_bytes());
-        e[24..32].copy_from_slice(&self.value_len.to_le_bytes());
+        e[24..32].copy_from_slice(&self.payload_len.to_le_bytes());
         e[32..40].copy_from_slice(&self.seq.to_le_bytes());
-        e[40..48].copy_from_slice(&self.value_sum.to_le_bytes());
-        let sum = checksum(ENTRY_SEED, &[&e[..56]]);
-        e[56..].copy_from_slice(&sum.to_le_bytes());
+        e[40..48].copy_from_slice(&self.payload_sum.to_le_bytes());
+        e[48..48 + MAX_HASH_BYTES].copy_from_slice(&self.hash);
+        let sum = checksum(ENTRY_SEED, &[&e[..ENTRY_BODY]]);
+        e[ENTRY_BODY..].copy_from_slice(&sum.to_le_bytes());
         e
     }
 
@@ -195,14 +280,22 @@ impl Entry {
             return None;
         }
         let u = |r: std::ops::Range<usize>| u64::from_le_bytes(e[r].try_into().unwrap_or([0; 8]));
-        if u(56..64) != checksum(ENTRY_SEED, &[&e[..56]]) {
+        if u(ENTRY_BODY..ENTRY_BYTES) != checksum(ENTRY_SEED, &[&e[..ENTRY_BODY]]) {
             return None;
         }
+        let hash_len = u16::from_le_bytes([e[4], e[5]]);
+        let hash_len = u8::try_from(hash_len)
+            .ok()
+            .filter(|&n| usize::from(n) <= MAX_HASH_BYTES)?;
+        let mut hash = [0u8; MAX_HASH_BYTES];
+        hash.copy_from_slice(&e[48..48 + MAX_HASH_BYTES]);
         Some(Self {
             digest: u128::from_le_bytes(e[8..24].try_into().ok()?),
-            value_len: u(24..32),
+            payload_len: u(24..32),
             seq: u(32..40),
-            value_sum: u(40..48),
+            payload_sum: u(40..48),
+            hash,
+            hash_len,
         })
     }
 }
@@ -235,18 +328,59 @@ mod tests {
     #[test]
     fn a_header_of_another_file_version_is_not_this_geometry() {
         let g = Geometry::fit(10 << 20, 4096, 9).unwrap();
-        let mut h = g.encode_header();
-        h[8..12].copy_from_slice(&1u32.to_le_bytes());
-        // Re-summed, so only the version differs from a valid header.
-        const BODY: usize = 8 + 4 + 4 + 4 * 8 + 16;
-        let sum = checksum(ENTRY_SEED, &[&h[..BODY]]);
-        h[BODY..BODY + 8].copy_from_slice(&sum.to_le_bytes());
-        assert_eq!(Geometry::decode_header(&h), None);
+        assert_eq!(Geometry::decode_header(&g.encode_header()), Some(g));
+        // Every older version (3: whole values in the slots, 64-byte entries) is wiped.
+        for version in 1..FILE_VERSION {
+            let mut h = g.encode_header();
+            h[8..12].copy_from_slice(&version.to_le_bytes());
+            // Re-summed, so only the version differs from a valid header.
+            const BODY: usize = 8 + 4 + 4 + 4 * 8 + 16;
+            let sum = checksum(ENTRY_SEED, &[&h[..BODY]]);
+            h[BODY..BODY + 8].copy_from_slice(&sum.to_le_bytes());
+            assert_eq!(Geometry::decode_header(&h), None, "version {version}");
+        }
+    }
+
+    #[test]
+    fn a_slot_is_the_block_rounded_up_to_a_page() {
+        for (block, slot) in [
+            (64 << 10, 64 << 10),
+            (2 << 20, 2 << 20),
+            (5003, 8192),
+            (1, 4096),
+        ] {
+            let g = Geometry::fit(1 << 30, block, 0).unwrap();
+            assert_eq!(g.slot_bytes, slot, "{block}");
+        }
+        // A 64 KiB block costs its slot and its entry, nothing more.
+        let g = Geometry::fit(
+            IDX_HEADER + 64 * ((64 << 10) + ENTRY_BYTES as u64),
+            64 << 10,
+            0,
+        );
+        assert_eq!(g.map(|g| g.slots), Some(64));
+    }
+
+    #[test]
+    fn a_payload_sum_is_bound_to_its_key_and_not_to_how_it_is_cut() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + 3) as u8).collect();
+        let sum = |digest: u128, cuts: &[usize]| {
+            let mut s = PayloadSum::new(digest);
+            let mut at = 0;
+            for &c in cuts.iter().chain([&bytes.len()]) {
+                s.update(&bytes[at..c]);
+                at = c;
+            }
+            s.finish()
+        };
+        assert_eq!(sum(5, &[]), sum(5, &[1, 4096, 4097]));
+        assert_ne!(sum(5, &[]), sum(6, &[]));
+        assert_ne!(sum(5, &[]), sum(5 | 1 << 64, &[]));
     }
 
     #[test]
     fn sets_spread_over_the_whole_range() {
-        let g = Geometry::fit(4096 + 640 * (4096 + 64), 4096, 0).unwrap();
+        let g = Geometry::fit(4096 + 640 * (4096 + ENTRY_BYTES as u64), 4096, 0).unwrap();
         assert_eq!(g.sets(), 10);
         let mut seen = [false; 10];
         for i in 0..1000u64 {
@@ -259,14 +393,10 @@ mod tests {
 
     #[test]
     fn entries_round_trip_and_any_flip_is_rejected() {
-        let e = Entry {
-            digest: 77,
-            value_len: 5000,
-            seq: 3,
-            value_sum: 0xdead,
-        };
+        let e = Entry::new(77, 5000, 3, 0xdead, &[0xa5; 32]);
         let b = e.encode();
         assert_eq!(Entry::decode(&b), Some(e));
+        assert_eq!(Entry::decode(&b).unwrap().hash(), &[0xa5; 32]);
         for i in 0..ENTRY_BYTES {
             let mut c = b;
             c[i] ^= 1;

@@ -3,8 +3,9 @@
 //! It is a [`RemoteStore`](super::RemoteStore), so it takes the remote tier's whole path
 //! (see [`tier`](super)): the scheduler's probe thread asks whether a prompt's next blocks
 //! are on disk and answers "pending" meanwhile; the worker fetches found blocks into CPU
-//! blocks the scheduler reserved, verifies them (header, layout fingerprint, hash,
-//! checksum) and they load like any CPU hit; blocks stored on CPU are written behind.
+//! blocks the scheduler reserved, verifies them (the slot's entry: key, length, block
+//! hash; the payload's checksum) and they load like any CPU hit; blocks stored on CPU
+//! are written behind.
 //!
 //! # Written through, not spilled on eviction
 //! CPU evictions are decided by the scheduler, but the bytes live in the worker; spilling
@@ -22,27 +23,31 @@
 //! usable, and the kernel frees the space when the worker dies, however it dies (vLLM's
 //! default `--shutdown-timeout 0` force-kills it, so no destructor may run). The index
 //! keeps its name (it holds the lock, and the scheduler's [`DiskProbe`] opens it by path)
-//! and is removed at shutdown; a force kill leaves only it (64 B per slot and 4 KiB),
+//! and is removed at shutdown; a force kill leaves only it (128 B per slot and 4 KiB),
 //! emptied by the next engine on the path. With `disk_persist` both files stay, and the
 //! next engine rebuilds its index from the entries (blocks of another layout or capacity
 //! are wiped, never served).
 //!
 //! # Failures
-//! Every read is checked on the I/O thread that made it (the index entry, the value's
-//! trailer, and the full checksum, summed in the copy out of the I/O buffer), the header
-//! in `value::decode_verified` (the same checks on a header read apart, when the worker
-//! fetches straight into its CPU block: `reads.rs`); a bad block is a miss, counted, its
-//! slot freed. A failed write is a counted skip, a
-//! failed read a miss. [`DISABLE_AFTER_ERRORS`] failed I/Os in a row turn the tier off
-//! (one log line, the `disk_disabled` gauge); nothing waits on a failing disk.
+//! Every read is checked on the I/O thread that made it: the slot's index entry must be
+//! intact (its own checksum) and name the key's digest and this layout's block length,
+//! and the payload read must sum to the entry's checksum, which is bound to the key (so
+//! another block's bytes under the entry fail it too); `get_into` then compares the
+//! entry's block hash with the one asked for, and the layout with the file's. A bad
+//! block is a miss, counted, its slot freed and its entry cleared. A failed write is a
+//! counted skip, a failed read a miss. [`DISABLE_AFTER_ERRORS`] failed I/Os in a row
+//! turn the tier off (one log line, the `disk_disabled` gauge); nothing waits on a
+//! failing disk.
 //!
 //! # Events
 //! With [`DiskOptions::report_changes`], the store records which blocks each write put on
 //! disk and which left it ([`DiskStore::take_changes`]), so the connector can publish
 //! them as KV events of medium `"STORAGE"` (`journal.rs`).
 
+mod aligned;
 pub mod config;
 mod error;
+mod faults;
 mod file;
 mod index;
 mod io_pool;
@@ -61,6 +66,7 @@ pub use config::DiskConfig;
 pub use error::{DiskError, IoKind};
 pub use index::{Placement, SlotIndex};
 pub use journal::{DiskChanges, JOURNAL_HASH_BYTES};
+pub use layout::ENTRY_BYTES;
 pub use options::{DiskOptions, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
 pub use reader::DiskProbe;
 pub use stats::{DiskSnapshot, DiskStats};

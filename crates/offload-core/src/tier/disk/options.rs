@@ -18,8 +18,9 @@ pub struct DiskOptions {
     pub path: PathBuf,
     /// Bytes the two files may take together.
     pub capacity_bytes: u64,
-    /// Bytes of every value (all blocks of a layout encode to one length).
-    pub value_bytes: u64,
+    /// Bytes of every block's payload (all blocks of a layout have one length); a slot
+    /// is this rounded up to 4 KiB.
+    pub block_bytes: u64,
     /// The layout whose blocks the files hold; a persisted file of another is wiped.
     pub fingerprint: LayoutFingerprint,
     /// Buffered I/O instead of `O_DIRECT`.
@@ -39,13 +40,13 @@ impl DiskOptions {
     pub fn new(
         path: impl Into<PathBuf>,
         capacity_bytes: u64,
-        value_bytes: u64,
+        block_bytes: u64,
         fingerprint: LayoutFingerprint,
     ) -> Self {
         Self {
             path: path.into(),
             capacity_bytes,
-            value_bytes,
+            block_bytes,
             fingerprint,
             use_page_cache: false,
             persist: false,

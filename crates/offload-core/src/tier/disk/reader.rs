@@ -67,7 +67,7 @@ impl RemoteStore for DiskProbe {
                 Ok(set
                     .chunks_exact(ENTRY_BYTES)
                     .filter_map(Entry::decode)
-                    .any(|e| e.digest == d && e.value_len == geo.value_len))
+                    .any(|e| e.digest == d && e.payload_len == geo.block_bytes))
             })
             .collect()
     }

@@ -52,7 +52,7 @@ pub(super) fn rebuild(
             };
             // An entry in a set its digest does not pick was not written by this layout.
             let in_set = (geo.set_start(e.digest)..geo.set_start(e.digest) + geo.ways).contains(&s);
-            if in_set && e.value_len == geo.value_len {
+            if in_set && e.payload_len == geo.block_bytes {
                 index.restore(s, e.digest, e.seq);
             }
         }

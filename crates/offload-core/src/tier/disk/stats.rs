@@ -78,6 +78,15 @@ disk_counters! {
     rebuild_micros,
     /// 1 when I/O goes through the page cache (asked for, or `O_DIRECT` refused).
     buffered_io,
+    /// `O_DIRECT` reads straight into the block's slices.
+    direct_reads,
+    /// `O_DIRECT` writes straight from the block's slices.
+    direct_writes,
+    /// `O_DIRECT` reads that went through an aligned buffer and a copy: the block's
+    /// slices were not aligned as direct I/O asks (aligned ones are read into directly).
+    bounced_reads,
+    /// `O_DIRECT` writes that were copied into an aligned buffer first (as for reads).
+    bounced_writes,
     /// 1 once repeated errors disabled the tier.
     disabled,
 }

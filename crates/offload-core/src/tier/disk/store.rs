@@ -11,17 +11,17 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
+use super::aligned::AlignedBuf;
 use super::error::{DiskError, IoKind};
-use super::file::{self, AlignedBuf, DataFile, DiskFaults, FileSet};
+use super::file::{self, DataFile, DiskFaults, FileSet};
 use super::index::{Placement, SlotIndex};
 use super::io_pool::IoPool;
 use super::journal::{DiskChanges, Journal};
 use super::layout::{key_digest, Geometry};
 use super::options::{DiskOptions, DISABLE_AFTER_ERRORS};
 use super::recovery::{matches_header, rebuild};
-use super::source::Source;
+use super::source::{Block, Source};
 use super::stats::{DiskSnapshot, DiskStats};
-use crate::tier::value::stored_hash;
 use crate::tier::{
     BlockFill, Fill, LayoutFingerprint, RemoteKey, RemoteStore, TierError, ValueParts,
 };
@@ -89,10 +89,10 @@ impl DiskStore {
     /// with `persist`, rebuilds the index from what a previous engine left; without it the
     /// old contents are dropped.
     pub fn open(opts: &DiskOptions) -> Result<Self, DiskError> {
-        let geo = Geometry::fit(opts.capacity_bytes, opts.value_bytes, opts.fingerprint.0).ok_or(
+        let geo = Geometry::fit(opts.capacity_bytes, opts.block_bytes, opts.fingerprint.0).ok_or(
             DiskError::TooSmall {
                 capacity: opts.capacity_bytes,
-                value_bytes: opts.value_bytes,
+                block_bytes: opts.block_bytes,
             },
         )?;
         let files = FileSet::new(&opts.path);
@@ -209,6 +209,15 @@ impl DiskStore {
         self.shared.data.is_direct()
     }
 
+    /// What `O_DIRECT` asks of a block's memory to move it without a copy: the address
+    /// alignment and the length unit of each slice (`statx` `STATX_DIOALIGN`, a page where
+    /// the kernel does not say); `None` with buffered I/O.
+    pub fn direct_io_alignment(&self) -> Option<(usize, usize)> {
+        let data = &self.shared.data;
+        data.is_direct()
+            .then(|| (data.align().mem, data.align().offset))
+    }
+
     /// Blocks the capacity holds.
     pub fn capacity_blocks(&self) -> u64 {
         self.shared.geo.slots
@@ -239,6 +248,18 @@ impl DiskStore {
     pub fn offset_of(&self, key: &RemoteKey) -> Option<u64> {
         let slot = self.index().find(key_digest(key.as_str().as_bytes()))?;
         Some(self.shared.geo.data_offset(slot))
+    }
+
+    /// Byte offset of `key`'s entry in the index file, if the block is there (for tests
+    /// that damage an entry on purpose).
+    pub fn entry_offset_of(&self, key: &RemoteKey) -> Option<u64> {
+        let slot = self.index().find(key_digest(key.as_str().as_bytes()))?;
+        Some(self.shared.geo.entry_offset(slot))
+    }
+
+    /// Bytes of one slot in the data file (the block rounded up to 4 KiB).
+    pub fn slot_bytes(&self) -> u64 {
+        self.shared.geo.slot_bytes
     }
 
     pub(super) fn index(&self) -> MutexGuard<'_, SlotIndex> {
@@ -285,35 +306,32 @@ impl DiskStore {
         DiskStats::set(&self.shared.stats.resident_blocks, index.resident());
     }
 
-    /// Writes each value under its key, encoded straight into the I/O buffer when given
-    /// as parts (`put_parts`), copied there when encoded already (`put`).
+    /// Writes each value's payload under its key: straight from the block's slices when
+    /// given as parts (`put_parts`), from the value's payload when encoded (`put`).
     fn write_batch(&self, entries: &[(&RemoteKey, Source<'_>)]) -> Vec<Result<(), TierError>> {
         if self.is_disabled() {
             return entries.iter().map(|_| Err(self.disabled_error())).collect();
         }
         let started = Instant::now();
         let s = &self.shared;
+        let fingerprint = LayoutFingerprint(s.geo.fingerprint);
+        let blocks: Vec<Result<Block<'_>, TierError>> = entries
+            .iter()
+            .map(|(_, v)| v.block(fingerprint, s.geo.block_bytes as usize))
+            .collect();
         let placed: Vec<Result<Option<(u64, u128)>, TierError>> = {
             let mut index = self.index();
             entries
                 .iter()
-                .map(|(k, v)| {
-                    if v.len() as u64 != s.geo.value_len {
-                        return Err(TierError::Store {
-                            op: "put",
-                            reason: format!(
-                                "value of {} bytes, the disk tier's slots take {}",
-                                v.len(),
-                                s.geo.value_len
-                            ),
-                        });
-                    }
+                .zip(&blocks)
+                .map(|((k, _), b)| {
+                    let b = b.as_ref().map_err(Clone::clone)?;
                     let d = key_digest(k.as_str().as_bytes());
                     match index.place(d) {
                         Placement::Present => {
                             // A block a restart recovered is reported once written (or read).
-                            if let (Some(slot), Some(h)) = (index.find(d), v.hash()) {
-                                self.journal(|j| j.stored(slot, h));
+                            if let Some(slot) = index.find(d) {
+                                self.journal(|j| j.stored(slot, b.hash));
                             }
                             Ok(None)
                         }
@@ -343,8 +361,10 @@ impl DiskStore {
                 _ => None,
             })
             .collect();
-        let results = self.parallel(&jobs, |&(i, slot, d)| {
-            self.write_slot(slot, d, &entries[i].1)
+        let results = self.parallel(&jobs, |&(i, slot, d)| match &blocks[i] {
+            Ok(b) => self.write_slot(slot, d, b),
+            // Placed only when the block resolved.
+            Err(_) => Err(IoKind::Other),
         });
         let mut out: Vec<Result<(), TierError>> =
             placed.into_iter().map(|p| p.map(|_| ())).collect();
@@ -356,8 +376,8 @@ impl DiskStore {
                 Ok(()) => {
                     DiskStats::add(&s.stats.writes, 1);
                     DiskStats::add(&s.stats.bytes_written, s.geo.slot_bytes);
-                    if let Some(h) = entries[i].1.hash() {
-                        self.journal(|j| j.stored(slot, h));
+                    if let Ok(b) = &blocks[i] {
+                        self.journal(|j| j.stored(slot, b.hash));
                     }
                 }
                 Err(kind) => {
@@ -390,7 +410,7 @@ impl RemoteStore for DiskStore {
     }
 
     fn get(&mut self, keys: &[RemoteKey]) -> Vec<Result<Option<Vec<u8>>, TierError>> {
-        self.read_batch(keys, |_, slot| self.read_slot(slot), |v| stored_hash(v))
+        self.get_batch(keys)
     }
 
     /// Straight into the destinations: one copy a block fewer than `get` and a copy.
