@@ -654,14 +654,16 @@ def disk_tier_table() -> str:
     rb = d.get("rebuild")
     if rb:
         per = rb["open_seconds"] / max(rb["blocks"], 1)
+        # The index file is a 4 KiB header and one entry per slot.
+        entry_bytes = (rb["index_file_bytes"] - 4096) // max(rb["slots"], 1)
         goals.append(
             f"- Restart: {rb['blocks']:,.0f} blocks recovered in {rb['open_seconds']:.2f} s "
             f"(index file {rb['index_file_bytes'] / 2**20:,.0f} MiB, dropped from the page cache "
             f"first; {rb['seconds_per_100k']:.3f} s per 100k blocks, goal <= 1 s). 5 M blocks "
             f"did not fit this disk (a slot takes at least 4 KiB: {5e6 * 4096 / 1e9:.0f} GB); the "
             f"rebuild reads "
-            f"the index file once and decodes each entry (64 bytes when this was measured, "
-            f"128 since file format 4), so its time grows linearly: "
+            f"the index file once and decodes each {entry_bytes}-byte entry, so its time grows "
+            f"linearly: "
             f"about {per * 5e6:.1f} s for 5 M blocks."
         )
     return f"{head}\n\n" + "\n".join(rows) + "\n\n" + "\n".join(goals) + "\n"
