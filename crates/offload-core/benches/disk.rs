@@ -33,12 +33,14 @@ use disk_support::{
     env_u64, hash, median, python_simple_loop, raw, raw_slots, shuffled, thread_cpu_seconds, tier,
     tier_read, tier_write, CpuBlocks, Obj, RAW_CHUNK,
 };
-use offload_core::tier::disk::{DiskOptions, DiskStore, Placement, SlotIndex, DEFAULT_IO_THREADS};
+use offload_core::tier::disk::{
+    capacity_for_blocks, DiskOptions, DiskStore, Placement, SlotIndex, DEFAULT_IO_THREADS,
+    ENTRY_BYTES,
+};
 use offload_core::tier::value::{checksum_ok, copy_verified, encode};
-use offload_core::tier::LayoutFingerprint;
+use offload_core::tier::{LayoutFingerprint, FETCH_BATCH};
 
 const RUNS: usize = 5;
-const BATCH: usize = 32;
 const FP: LayoutFingerprint = LayoutFingerprint(0xbe9c);
 
 const NAMES: [&str; 7] = [
@@ -50,6 +52,14 @@ const NAMES: [&str; 7] = [
     "python_simple_read",
     "raw_read_slots",
 ];
+
+/// Blocks per fetch and per store: `KVOFFLOAD_BENCH_BATCH`, the worker's
+/// [`FETCH_BATCH`] without it.
+fn batch() -> usize {
+    usize::try_from(env_u64("KVOFFLOAD_BENCH_BATCH", FETCH_BATCH as u64))
+        .unwrap_or(FETCH_BATCH)
+        .max(1)
+}
 
 /// The tier's I/O threads (reads in flight per batch): `KVOFFLOAD_BENCH_IO_THREADS`, the
 /// tier's default without it.
@@ -63,7 +73,8 @@ fn io_threads() -> usize {
 
 /// Every figure of one block size and I/O mode.
 fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f64; 7]) {
-    let n = (total / block as u64).max(BATCH as u64);
+    let batch = batch();
+    let n = (total / block as u64).max(batch as u64);
     let slot = (block as u64).div_ceil(4096) * 4096;
     let raw_len = (n * block as u64).div_ceil(RAW_CHUNK as u64) * RAW_CHUNK as u64;
     let raw_path = dir.join("raw");
@@ -82,8 +93,8 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
     opts.io_threads = io_threads();
     let store = DiskStore::open(&opts).expect("open the tier");
     let mut t = tier(&store);
-    let cpu = CpuBlocks::new(block, BATCH as u32);
-    for id in 0..BATCH as u32 {
+    let cpu = CpuBlocks::new(block, batch as u32);
+    for id in 0..batch as u32 {
         // SAFETY: nothing else uses the CPU blocks yet.
         let parts = unsafe { cpu.blocks.block_parts_mut(id) }.expect("CPU block");
         let mut at = 0;
@@ -102,14 +113,14 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
         // them back.
         let ids: Vec<u64> = (run as u64 * n..(run as u64 + 1) * n).collect();
         runs[0].push(raw(&raw_path, raw_len, true, direct));
-        runs[1].push(tier_write(&mut t, &cpu, &ids, block, BATCH));
+        runs[1].push(tier_write(&mut t, &cpu, &ids, block, batch));
         runs[2].push(raw(&raw_path, raw_len, false, direct));
-        runs[3].push(tier_read(&mut t, &cpu, &ids, block, BATCH));
+        runs[3].push(tier_read(&mut t, &cpu, &ids, block, batch));
         let order: Vec<u64> = shuffled(n, run as u64 + 1)
             .iter()
             .map(|&i| ids[i as usize])
             .collect();
-        runs[4].push(tier_read(&mut t, &cpu, &order, block, BATCH));
+        runs[4].push(tier_read(&mut t, &cpu, &order, block, batch));
         runs[5].push(python_simple_loop(&py_path, py_block, n, direct));
         runs[6].push(raw_slots(&raw_path, raw_len, slot, opts.io_threads, direct));
     }
@@ -193,9 +204,10 @@ fn index_scale(entries: u64) -> Obj {
     let mut rng = Rng(7);
     let stored: Vec<u128> = (0..entries).map(|_| rng.hash().0).collect();
     let t = Instant::now();
+    let mut evicted = Vec::new();
     for &d in &stored {
-        if let Placement::Write { slot, .. } = ix.place(d) {
-            ix.finish_write(slot, true);
+        if let Placement::Write { entry, .. } = ix.place(d, &mut evicted) {
+            ix.finish_write(entry, true);
         }
     }
     let fill_s = t.elapsed().as_secs_f64();
@@ -255,8 +267,7 @@ fn index_scale(entries: u64) -> Obj {
 /// out of the page cache: the restart's index rebuild.
 fn rebuild(dir: &Path, blocks: u64) -> Obj {
     let block = 4000usize;
-    // A quarter more slots than blocks: a set that fills evicts before the capacity does.
-    let cap = 4096 + (blocks + blocks / 4) * (4096 + 128);
+    let cap = capacity_for_blocks(blocks, block as u64).expect("a capacity");
     let path = dir.join("rebuild.rank_0");
     let mut opts = DiskOptions::new(&path, cap, block as u64, FP);
     opts.persist = true;
@@ -271,7 +282,7 @@ fn rebuild(dir: &Path, blocks: u64) -> Obj {
                 .iter()
                 .map(|&i| (hash(i), vec![&payload[..]]))
                 .collect();
-            // A full set skips a write: what is recovered is what was stored.
+            // A full set evicts early: what is recovered is what stayed stored.
             t.store(&b).expect("store");
         }
         started.elapsed().as_secs_f64()
@@ -290,11 +301,26 @@ fn rebuild(dir: &Path, blocks: u64) -> Obj {
         .num("blocks", recovered as f64)
         .num("slots", snap.capacity_blocks as f64)
         .num("index_file_bytes", idx as f64)
+        .num("entry_bytes", ENTRY_BYTES as f64)
         .num("index_dropped_from_page_cache", 1.0)
         .num("write_seconds", write_s)
         .num("open_seconds", secs)
         .num("rebuild_seconds", snap.rebuild_micros as f64 / 1e6)
         .num("seconds_per_100k", secs * 1e5 / recovered.max(1) as f64)
+}
+
+/// `KVOFFLOAD_BENCH_MODES`: `direct`, `page_cache` or both (the default), comma-separated.
+fn modes() -> Vec<bool> {
+    let text =
+        std::env::var("KVOFFLOAD_BENCH_MODES").unwrap_or_else(|_| "direct,page_cache".into());
+    text.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| match s.trim() {
+            "direct" => false,
+            "page_cache" => true,
+            other => panic!("KVOFFLOAD_BENCH_MODES: {other:?} is neither direct nor page_cache"),
+        })
+        .collect()
 }
 
 fn main() {
@@ -318,7 +344,7 @@ fn main() {
     let mut configs = Vec::new();
     let mut summary = Vec::new();
     for &block in &sizes {
-        for page_cache in [false, true] {
+        for page_cache in modes() {
             let (obj, med) = bandwidth(&dir, block, page_cache, total);
             eprintln!(
                 "{block:>8} B {:<10} raw {:.2} tier seq {:.2} shuffled {:.2} python {:.2} \
@@ -337,7 +363,10 @@ fn main() {
     let checksum = checksum_costs();
     let mut out = Obj::default()
         .num("runs", RUNS as f64)
-        .num("batch", BATCH as f64)
+        .num("batch", batch() as f64)
+        // A batch's blocks go to consecutive slots under a clock hand (file format 5);
+        // runs without this field placed each block in the set its hash picked.
+        .text("placement", "clock")
         .num("io_threads", io_threads() as f64)
         .num("bytes_per_run", total as f64)
         .text("dir", &dir.display().to_string())

@@ -8,7 +8,7 @@ use std::os::unix::fs::FileExt;
 
 use common::disk::{fetch_blocks, hash, options, store_blocks, tier, Scratch, FP};
 use offload_core::tier::disk::{
-    DiskChanges, DiskError, DiskProbe, DiskStore, DISABLE_AFTER_ERRORS,
+    DiskChanges, DiskError, DiskProbe, DiskStore, DISABLE_AFTER_ERRORS, ENTRY_BYTES,
 };
 use offload_core::tier::{KeySpace, LayoutFingerprint, MemoryStore, RemoteStore, StackedStore};
 use offload_core::transfer::FaultPlan;
@@ -367,6 +367,62 @@ fn the_schedulers_probe_sees_what_the_worker_wrote() {
     );
     let mut foreign = DiskProbe::new(s.rank_path(), LayoutFingerprint(1));
     assert_eq!(foreign.exists(&[key(0)]), [Ok(false)]);
+}
+
+#[test]
+fn an_evicted_blocks_entry_is_erased_and_a_stale_one_loses_its_slot_at_restart() {
+    let s = Scratch::new("stale");
+    let mut o = options(&s.rank_path(), ODD, 4);
+    o.persist = true;
+    let mut probe = DiskProbe::new(s.rank_path(), FP);
+    let stale = {
+        let store = DiskStore::open(&o).unwrap();
+        let mut t = tier(&store);
+        assert_eq!(store_blocks(&mut t, 0..4, ODD), 4);
+        let at = store.entry_offset_of(&key(0)).unwrap();
+        let idx = std::fs::File::open(store.index_path()).unwrap();
+        let mut raw = vec![0u8; ENTRY_BYTES];
+        idx.read_exact_at(&mut raw, at).unwrap();
+        // The clock hand comes back to block 0's slot first: block 4 takes it, and the
+        // scheduler's probe no longer finds block 0.
+        assert_eq!(store_blocks(&mut t, [4], ODD), 1);
+        assert_eq!(
+            store.offset_of(&key(4)),
+            Some(0),
+            "the hand wrapped to the first slot"
+        );
+        assert_eq!(probe.exists(&[key(0), key(4)]), [Ok(false), Ok(true)]);
+        raw
+    };
+    // As if the engine had died before erasing block 0's entry: two entries of the set
+    // (the only one, of six entries) name slot 0. Put back into a free entry of the set.
+    let idx = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(s.dir.join("kv.rank_0.idx"))
+        .unwrap();
+    let free = (0..6u64)
+        .map(|e| 4096 + e * ENTRY_BYTES as u64)
+        .find(|&at| {
+            let mut raw = vec![1u8; ENTRY_BYTES];
+            idx.read_exact_at(&mut raw, at).unwrap();
+            raw.iter().all(|&b| b == 0)
+        })
+        .unwrap();
+    idx.write_all_at(&stale, free).unwrap();
+    assert_eq!(probe.exists(&[key(0)]), [Ok(true)]);
+    let store = DiskStore::open(&o).unwrap();
+    assert_eq!(store.snapshot().recovered_blocks, 4, "blocks 1 to 4");
+    assert_eq!(
+        fetch_blocks(&mut tier(&store), &[0, 1, 4], ODD),
+        [None, Some(true), Some(true)]
+    );
+    assert_eq!(
+        probe.exists(&[key(0)]),
+        [Ok(false)],
+        "the losing entry is erased at restart"
+    );
+    assert_eq!(store.snapshot().checksum_failures, 0);
 }
 
 #[test]

@@ -277,3 +277,114 @@ fn a_64_kib_block_takes_a_64_kib_slot_and_aligned_slices_move_without_a_copy() {
         0
     );
 }
+
+/// Stores blocks `ids` of `len` bytes in one batch from page-aligned memory cut in 4 KiB
+/// slices (as a CPU block's are), so a direct transfer takes every slice as it is; how
+/// many were written.
+fn store_aligned(store: &mut DiskStore, ids: &[u32], len: usize) -> usize {
+    let mut memory: Vec<Vec<u8>> = ids.iter().map(|_| Vec::new()).collect();
+    let sources: Vec<&[u8]> = memory
+        .iter_mut()
+        .zip(ids)
+        .map(|(m, &i)| {
+            let a = aligned(m, len, 0);
+            a.copy_from_slice(&block(i, len));
+            &*a
+        })
+        .collect();
+    let hashes: Vec<[u8; 16]> = ids.iter().map(|&i| hash(i)).collect();
+    let entries: Vec<_> = ids
+        .iter()
+        .zip(&sources)
+        .zip(&hashes)
+        .map(|((&i, src), h)| (key(i), ValueParts::new(FP, h, src.chunks(4096).collect())))
+        .collect();
+    store
+        .put_parts(&entries)
+        .iter()
+        .filter(|r| r.is_ok())
+        .count()
+}
+
+/// Fills blocks `ids` of `len` bytes into page-aligned memory cut in 4 KiB slices: which
+/// came back filled and byte-exact.
+fn fill_aligned(store: &mut DiskStore, ids: &[u32], len: usize) -> Vec<bool> {
+    let hashes: Vec<[u8; 16]> = ids.iter().map(|&i| hash(i)).collect();
+    let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
+    let mut memory: Vec<Vec<u8>> = ids.iter().map(|_| Vec::new()).collect();
+    let mut fills: Vec<BlockFill<'_, '_>> = memory
+        .iter_mut()
+        .zip(&hashes)
+        .map(|(m, h)| {
+            let a = aligned(m, len, 0);
+            a.fill(0xc3);
+            BlockFill::new(h, a.chunks_mut(4096).collect())
+        })
+        .collect();
+    let got = store.get_into(&keys, FP, &mut fills);
+    drop(fills);
+    got.iter()
+        .zip(&memory)
+        .zip(ids)
+        .map(|((g, m), &i)| {
+            let at = m.as_ptr().align_offset(4096);
+            *g == Ok(Fill::Filled) && m[at..at + len] == block(i, len)[..]
+        })
+        .collect()
+}
+
+#[test]
+fn a_batch_goes_to_consecutive_slots_and_moves_in_runs_each_block_verified() {
+    const BLOCK: usize = 64 << 10;
+    let s = Scratch::new("fill-runs");
+    let mut store = open(&s, BLOCK, false, "");
+    let ids: Vec<u32> = (0..8).collect();
+    assert_eq!(store_aligned(&mut store, &ids, BLOCK), 8);
+    let first = store.offset_of(&key(0)).unwrap();
+    for &i in &ids {
+        assert_eq!(
+            store.offset_of(&key(i)),
+            Some(first + u64::from(i) * BLOCK as u64),
+            "block {i} follows the one before it"
+        );
+    }
+    assert_eq!(store.snapshot().direct_writes, 8);
+    assert_eq!(fill_aligned(&mut store, &ids, BLOCK), [true; 8]);
+    // Out of order, a miss between: still exact.
+    let ids2 = [5, 6, 7, 40, 0, 1];
+    assert_eq!(
+        fill_aligned(&mut store, &ids2, BLOCK),
+        [true, true, true, false, true, true]
+    );
+    assert_eq!(store.snapshot().direct_reads, 13);
+    assert_eq!(store.snapshot().checksum_failures, 0);
+}
+
+#[test]
+fn a_fault_in_a_run_costs_the_blocks_it_touched_not_the_run() {
+    const BLOCK: usize = 64 << 10;
+    let ids: Vec<u32> = (0..8).collect();
+    // Every read flips the byte in the middle of what it read: one I/O for the eight
+    // blocks damages block 4 alone, which its own checksum catches.
+    let s = Scratch::new("fill-runs-corrupt");
+    let mut store = open(&s, BLOCK, false, "disk_corrupt_read_every=1");
+    assert_eq!(store_aligned(&mut store, &ids, BLOCK), 8);
+    assert_eq!(
+        fill_aligned(&mut store, &ids, BLOCK),
+        [true, true, true, true, false, true, true, true]
+    );
+    assert_eq!(store.snapshot().checksum_failures, 1);
+    // A failed read fails every block it was reading, and counts as one failed I/O.
+    let s = Scratch::new("fill-runs-eio");
+    let mut store = open(&s, BLOCK, false, "disk_read_eio_every=1");
+    assert_eq!(store_aligned(&mut store, &ids, BLOCK), 8);
+    assert_eq!(fill_aligned(&mut store, &ids, BLOCK), [false; 8]);
+    assert_eq!(store.snapshot().errors_eio, 1);
+    // A failed write: nothing of the run is readable; one failed I/O.
+    let s = Scratch::new("fill-runs-enospc");
+    let mut store = open(&s, BLOCK, false, "disk_enospc_every=1");
+    assert_eq!(store_aligned(&mut store, &ids, BLOCK), 0);
+    let snap = store.snapshot();
+    assert_eq!((snap.resident_blocks, snap.errors_enospc), (0, 1));
+    assert_eq!(fill_aligned(&mut store, &ids, BLOCK), [false; 8]);
+}

@@ -82,7 +82,7 @@ pub use redis::{redact_url, RedisStore};
 pub use stack::StackedStore;
 pub use stats::{TierSnapshot, TierStats};
 pub use value::{ValueError, ValueParts};
-pub use worker::{FetchRequest, WorkerTier};
+pub use worker::{FetchRequest, WorkerTier, FETCH_BATCH};
 pub use writer::WriteBehind;
 
 /// A key/value store the tier keeps blocks in.

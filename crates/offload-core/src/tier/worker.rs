@@ -26,7 +26,7 @@ use crate::transfer::HostBlocks;
 
 /// Most blocks one fetch asks for in one round trip: a long prefix is fetched in several,
 /// each well within the deadline.
-const FETCH_BATCH: usize = 32;
+pub const FETCH_BATCH: usize = 32;
 
 /// One fetch the scheduler planned: blocks `hashes` (a chain, in order) into `cpu_blocks`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use offload_core::tier::disk::{DiskOptions, DiskStore, ENTRY_BYTES};
+use offload_core::tier::disk::{capacity_for_blocks, DiskOptions, DiskStore};
 use offload_core::tier::{KeySpace, LayoutFingerprint, RemoteTier, TierStats};
 
 /// Fingerprint of the tests' layout.
@@ -57,13 +57,8 @@ impl Drop for Scratch {
 
 /// Options for blocks of `block_bytes` in `slots` slots at `path`.
 pub fn options(path: &Path, block_bytes: usize, slots: u64) -> DiskOptions {
-    let slot = (block_bytes as u64).div_ceil(4096) * 4096;
-    DiskOptions::new(
-        path,
-        4096 + slots * (slot + ENTRY_BYTES as u64),
-        block_bytes as u64,
-        FP,
-    )
+    let capacity = capacity_for_blocks(slots, block_bytes as u64).expect("a capacity");
+    DiskOptions::new(path, capacity, block_bytes as u64, FP)
 }
 
 /// Block `i`'s hash.

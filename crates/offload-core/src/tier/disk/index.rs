@@ -1,12 +1,32 @@
-//! The owner's in-memory index: where each block's slot is, and the slot's state, so a
-//! block being written is never read and a block being read is never overwritten.
+//! The owner's in-memory index: which entry holds each block, where its slot is, and the
+//! state of both, so a block being written is never read and a block being read is never
+//! overwritten.
 //!
-//! Two arrays, one entry per slot, grouped in sets as the files are (`layout`):
-//! `tags` holds 16 bits of a readable block's digest (0: nothing readable), one set's 64
-//! tags in one aligned 128-byte line pair, so a lookup compares them with a few vector
-//! instructions and reads the full record only on a tag match (a miss finds a false tag
-//! match once in a thousand lookups); `records` holds the full digest, the slot's recency
-//! and state. 34 bytes a slot in all ([`SlotIndex::bytes_per_slot`]).
+//! Entries are grouped in sets as the index file's are (`layout`): `tags` holds 16 bits
+//! of a readable block's digest (0: nothing readable), one set's 64 tags in one aligned
+//! 128-byte line pair, so a lookup compares them with a few vector instructions and reads
+//! the full record only on a tag match (a miss finds a false tag match once in a thousand
+//! lookups); `records` holds the full digest, the block's slot, recency and state;
+//! `owners` says which entry each slot's block belongs to.
+//!
+//! # Where a block goes
+//! Slots are handed out by a clock hand that sweeps the data file in order, so the
+//! blocks of a batch (a prompt's, stored together) land in consecutive slots and are
+//! read back in large I/Os. The hand passes over a slot whose block is being written or
+//! read, or was read since the hand last passed (and loses that mark): CLOCK, the usual
+//! approximation of LRU that keeps a store's blocks together where exact LRU would
+//! scatter them over the holes its evictions leave. A key's entry is taken in its set:
+//! an empty one, else the set's least recently used block goes too (rare: there are
+//! half again as many entries as slots, `layout::ENTRIES_PER_SLOT`).
+//!
+//! Per block of capacity: 1.5 entries of 34 bytes (tag and record) and a 4-byte owner,
+//! 55 bytes in all ([`SlotIndex::bytes_per_slot`]).
+//!
+//! # Invariants ([`SlotIndex::check_invariants`])
+//! - A slot's owner names an entry that is `Valid` or `Writing` and names that slot
+//!   back; every such entry is its slot's owner.
+//! - A set's tag is non-zero exactly where its entry is `Valid`, and is that digest's.
+//! - `resident` counts the `Valid` entries.
 
 use super::layout::{Geometry, MAX_WAYS};
 
@@ -17,29 +37,39 @@ enum State {
     Writing,
 }
 
-/// One slot. `readers` counts reads in flight; such a slot is not a victim. The digest
-/// is two halves, not a `u128`, so the record is 8-byte aligned and 32 bytes, not 48.
+/// One entry. `readers` counts reads in flight; such a block is not a victim.
+/// `referenced`: read (or stored again) since the clock hand last passed its slot. The
+/// digest is two halves, not a `u128`, so the record is 8-byte aligned and 32 bytes,
+/// not 48.
 #[derive(Debug, Clone, Copy)]
 struct Record {
     digest: [u64; 2],
     tick: u64,
+    slot: u32,
     readers: u16,
     state: State,
+    referenced: bool,
 }
 
 const EMPTY: Record = Record {
     digest: [0; 2],
     tick: 0,
+    slot: 0,
     readers: 0,
     state: State::Empty,
+    referenced: false,
 };
 
 fn halves(digest: u128) -> [u64; 2] {
     [digest as u64, (digest >> 64) as u64]
 }
 
-/// The tag of a readable block: never 0, which marks a slot with nothing readable. Bits
-/// of the low half, as the set is chosen by the high half (`Geometry::set_start`).
+fn whole(halves: [u64; 2]) -> u128 {
+    u128::from(halves[0]) | u128::from(halves[1]) << 64
+}
+
+/// The tag of a readable block: never 0, which marks an entry with nothing readable.
+/// Bits of the low half, as the set is chosen by the high half (`Geometry::set_start`).
 fn tag_of(digest: u128) -> u16 {
     (digest as u16).max(1)
 }
@@ -102,24 +132,36 @@ fn huge_vec<T: Copy>(n: usize, item: T) -> Vec<T> {
 pub enum Placement {
     /// The block is there already (same key, same bytes): nothing to write.
     Present,
-    /// Write into this slot; `evicted` says whether a block had to go.
+    /// Write the payload into `slot`, then the entry `entry` (blocks that had to go are
+    /// in the list [`SlotIndex::place`] was given).
     Write {
-        /// The slot to write.
+        /// The entry that will describe the block.
+        entry: u64,
+        /// The slot that will hold its payload.
         slot: u64,
-        /// Whether a block was evicted from it.
-        evicted: bool,
     },
-    /// Every slot of the set is busy: skip.
+    /// No slot or no entry of the key's set is free of reads and writes: skip.
     Busy,
 }
 
-/// Slots of a file's geometry, looked up by key digest within the digest's set. Public for
-/// its benchmark (`benches/disk.rs`); a [`DiskStore`](super::DiskStore) owns one.
+/// Where a block being read is: its entry and its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Location {
+    pub entry: u64,
+    pub slot: u64,
+}
+
+/// Blocks of a file's geometry, looked up by key digest within the digest's set, their
+/// slots handed out by a clock hand. Public for its benchmark (`benches/disk.rs`); a
+/// [`DiskStore`](super::DiskStore) owns one.
 #[derive(Debug)]
 pub struct SlotIndex {
     geo: Geometry,
     tags: Vec<TagSet>,
     records: Vec<Record>,
+    /// Per slot: 1 + the entry whose block it holds (or is written with), 0 when free.
+    owners: Vec<u32>,
+    hand: u64,
     clock: u64,
     resident: u64,
 }
@@ -129,26 +171,25 @@ impl SlotIndex {
         Self {
             geo,
             tags: huge_vec(geo.sets() as usize, TagSet([0; MAX_WAYS as usize])),
-            records: huge_vec(geo.slots as usize, EMPTY),
+            records: huge_vec(geo.entries as usize, EMPTY),
+            owners: huge_vec(geo.slots as usize, 0),
+            hand: 0,
             clock: 0,
             resident: 0,
         }
     }
 
-    /// An index of `slots` slots in sets of 64, as a disk tier of that many blocks has
-    /// (for the benchmark: no files behind it). `None` for fewer than 64 slots.
+    /// An index of about `slots` slots with entries in sets of 64, as a disk tier of
+    /// that many blocks has (for the benchmark: no files behind it). `None` for fewer
+    /// than 43 slots (one set's worth).
     pub fn with_slots(slots: u64) -> Option<Self> {
-        Geometry::fit(
-            super::layout::IDX_HEADER
-                + slots * (super::layout::ALIGN + super::layout::ENTRY_BYTES as u64),
-            super::layout::ALIGN,
-            0,
-        )
-        .filter(|g| g.ways == MAX_WAYS)
-        .map(Self::new)
+        let block = super::layout::ALIGN;
+        Geometry::fit(Geometry::capacity_for(slots, block)?, block, 0)
+            .filter(|g| g.ways == MAX_WAYS)
+            .map(Self::new)
     }
 
-    /// Slots the index describes.
+    /// Slots the index describes (blocks it can hold).
     pub fn slots(&self) -> u64 {
         self.geo.slots
     }
@@ -156,7 +197,8 @@ impl SlotIndex {
     /// Host bytes the index holds per slot: every array's allocated capacity.
     pub fn bytes_per_slot(&self) -> f64 {
         let bytes = self.tags.capacity() * std::mem::size_of::<TagSet>()
-            + self.records.capacity() * std::mem::size_of::<Record>();
+            + self.records.capacity() * std::mem::size_of::<Record>()
+            + self.owners.capacity() * std::mem::size_of::<u32>();
         bytes as f64 / self.geo.slots.max(1) as f64
     }
 
@@ -175,10 +217,10 @@ impl SlotIndex {
         start..start + self.geo.ways as usize
     }
 
-    /// Slot `slot`'s tag.
-    fn tag_mut(&mut self, slot: usize) -> &mut u16 {
+    /// Entry `entry`'s tag.
+    fn tag_mut(&mut self, entry: usize) -> &mut u16 {
         let ways = self.geo.ways as usize;
-        &mut self.tags[slot / ways].0[slot % ways]
+        &mut self.tags[entry / ways].0[entry % ways]
     }
 
     /// Which of set `set`'s ways hold `tag`, as a bit mask.
@@ -224,7 +266,7 @@ impl SlotIndex {
         mask
     }
 
-    /// The first slot of `set` whose tag matched (`matches`) and whose record is `digest`.
+    /// The first entry of `set` whose tag matched (`matches`) and whose record is `digest`.
     fn confirm(&self, set: usize, mut matches: u64, digest: u128) -> Option<u64> {
         let want = halves(digest);
         let first = set * self.geo.ways as usize;
@@ -242,7 +284,7 @@ impl SlotIndex {
         self.geo.set_of(digest) as usize
     }
 
-    /// The slot holding `digest`, if it is readable.
+    /// The entry of `digest`, if its block is readable.
     pub fn find(&self, digest: u128) -> Option<u64> {
         let set = self.set_of(digest);
         self.confirm(set, self.matches(set, tag_of(digest)), digest)
@@ -284,111 +326,235 @@ impl SlotIndex {
         }
     }
 
-    /// Marks a read of `digest` started: its slot, now protected from eviction and
-    /// counted as recently used.
-    pub(crate) fn begin_read(&mut self, digest: u128) -> Option<u64> {
-        let slot = self.find(digest)?;
-        let t = self.tick();
-        let r = &mut self.records[slot as usize];
-        r.readers += 1;
-        r.tick = t;
-        Some(slot)
+    /// The slot of entry `entry`'s block.
+    pub(crate) fn slot_of(&self, entry: u64) -> u64 {
+        u64::from(self.records[entry as usize].slot)
     }
 
-    pub(crate) fn end_read(&mut self, slot: u64) {
-        let r = &mut self.records[slot as usize];
+    /// Marks a read of `digest` started: where its block is, now protected from eviction
+    /// and marked as used.
+    pub(crate) fn begin_read(&mut self, digest: u128) -> Option<Location> {
+        let entry = self.find(digest)?;
+        let t = self.tick();
+        let r = &mut self.records[entry as usize];
+        r.readers += 1;
+        r.tick = t;
+        r.referenced = true;
+        Some(Location {
+            entry,
+            slot: u64::from(r.slot),
+        })
+    }
+
+    pub(crate) fn end_read(&mut self, entry: u64) {
+        let r = &mut self.records[entry as usize];
         r.readers = r.readers.saturating_sub(1);
     }
 
-    /// Where to write `digest`; the slot is `Writing` until [`Self::finish_write`].
-    pub fn place(&mut self, digest: u128) -> Placement {
-        if let Some(slot) = self.find(digest) {
+    /// Takes entry `entry`'s block out: its entry empty, its slot free.
+    fn evict(&mut self, entry: usize) {
+        let r = self.records[entry];
+        if r.state == State::Valid {
+            self.resident -= 1;
+        }
+        if r.state != State::Empty {
+            self.owners[r.slot as usize] = 0;
+        }
+        self.records[entry] = EMPTY;
+        *self.tag_mut(entry) = 0;
+    }
+
+    /// The next slot under the clock hand that is free or whose block may go (pushed
+    /// on `evicted`); `None` when two sweeps find every slot busy.
+    fn take_slot(&mut self, evicted: &mut Vec<u64>) -> Option<u32> {
+        let n = self.geo.slots;
+        for _ in 0..2 * n {
+            let slot = self.hand;
+            self.hand = if slot + 1 == n { 0 } else { slot + 1 };
+            let owner = self.owners[slot as usize];
+            if owner == 0 {
+                return u32::try_from(slot).ok();
+            }
+            let entry = (owner - 1) as usize;
+            let r = &mut self.records[entry];
+            if r.state != State::Valid || r.readers > 0 {
+                continue;
+            }
+            if r.referenced {
+                r.referenced = false;
+                continue;
+            }
+            self.evict(entry);
+            evicted.push(entry as u64);
+            return u32::try_from(slot).ok();
+        }
+        None
+    }
+
+    /// Where to write `digest`: a slot from the clock hand and an entry of its set; both
+    /// are `Writing` until [`Self::finish_write`]. Blocks that had to go are pushed on
+    /// `evicted` (their entries).
+    pub fn place(&mut self, digest: u128, evicted: &mut Vec<u64>) -> Placement {
+        if let Some(entry) = self.find(digest) {
             let t = self.tick();
-            self.records[slot as usize].tick = t;
+            let r = &mut self.records[entry as usize];
+            r.tick = t;
+            r.referenced = true;
             return Placement::Present;
         }
         let set = self.set(digest);
         let want = halves(digest);
-        let records = &self.records;
         if set
             .clone()
-            .any(|i| records[i].state == State::Writing && records[i].digest == want)
+            .any(|i| self.records[i].state == State::Writing && self.records[i].digest == want)
         {
             // Another batch writes the same block now.
             return Placement::Present;
         }
-        let victim = set
+        let Some(slot) = self.take_slot(evicted) else {
+            return Placement::Busy;
+        };
+        let records = &self.records;
+        let entry = set
             .clone()
             .find(|&i| records[i].state == State::Empty)
             .or_else(|| {
                 set.filter(|&i| records[i].state == State::Valid && records[i].readers == 0)
                     .min_by_key(|&i| records[i].tick)
             });
-        let Some(i) = victim else {
+        // The slot stays free (its block, if it had one, is gone already).
+        let Some(entry) = entry else {
             return Placement::Busy;
         };
-        let evicted = self.records[i].state == State::Valid;
-        if evicted {
-            self.resident -= 1;
+        if self.records[entry].state == State::Valid {
+            self.evict(entry);
+            evicted.push(entry as u64);
         }
         let t = self.tick();
-        *self.tag_mut(i) = 0;
-        self.records[i] = Record {
+        self.records[entry] = Record {
             digest: want,
             tick: t,
+            slot,
             readers: 0,
             state: State::Writing,
+            referenced: false,
         };
+        self.owners[slot as usize] = entry as u32 + 1;
         Placement::Write {
-            slot: i as u64,
-            evicted,
+            entry: entry as u64,
+            slot: u64::from(slot),
         }
     }
 
-    /// Ends a write: the slot holds its block when `ok`, nothing otherwise.
-    pub fn finish_write(&mut self, slot: u64, ok: bool) {
-        let i = slot as usize;
-        let r = &mut self.records[i];
-        if ok {
-            r.state = State::Valid;
-            let tag = tag_of(u128::from(r.digest[0]) | u128::from(r.digest[1]) << 64);
-            self.resident += 1;
-            *self.tag_mut(i) = tag;
-        } else {
-            *r = EMPTY;
+    /// Ends a write: the entry holds its block when `ok`; otherwise entry and slot are
+    /// free again.
+    pub fn finish_write(&mut self, entry: u64, ok: bool) {
+        let i = entry as usize;
+        if !ok {
+            self.evict(i);
+            return;
         }
+        let r = &mut self.records[i];
+        r.state = State::Valid;
+        let tag = tag_of(whole(r.digest));
+        self.resident += 1;
+        *self.tag_mut(i) = tag;
     }
 
-    /// Forgets the block in `slot` (it failed a check).
-    pub(crate) fn drop_slot(&mut self, slot: u64, digest: u128) {
-        let i = slot as usize;
-        let r = &mut self.records[i];
+    /// Forgets the block of `entry` (it failed a check), if it is still `digest`'s.
+    pub(crate) fn drop_entry(&mut self, entry: u64, digest: u128) {
+        let r = self.records[entry as usize];
         if r.digest == halves(digest) && r.state == State::Valid {
-            self.resident -= 1;
-            *r = EMPTY;
-            *self.tag_mut(i) = 0;
+            self.evict(entry as usize);
         }
     }
 
-    /// Restores a block found at start; `seq` (its write order) becomes its recency.
-    pub(crate) fn restore(&mut self, slot: u64, digest: u128, seq: u64) {
-        let i = slot as usize;
-        if self.records[i].state != State::Valid {
-            self.resident += 1;
+    /// Restores a block found at start, in `entry`, its payload in `slot`; `seq` (its
+    /// write order) becomes its recency. Of two entries naming one slot the later write
+    /// wins (the earlier one's bytes were overwritten): the entry that lost, if any, is
+    /// returned, to be cleared.
+    pub(crate) fn restore(&mut self, entry: u64, digest: u128, seq: u64, slot: u64) -> Option<u64> {
+        let (i, s) = (entry as usize, slot as usize);
+        let slot32 = u32::try_from(slot).ok().filter(|_| slot < self.geo.slots)?;
+        let mut lost = None;
+        if let Some(other) = self.owners[s].checked_sub(1).map(|o| o as usize) {
+            if other != i && self.records[other].tick > seq {
+                return Some(entry);
+            }
+            self.evict(other);
+            lost = (other != i).then_some(other as u64);
+        }
+        if self.records[i].state != State::Empty {
+            self.evict(i);
         }
         self.records[i] = Record {
             digest: halves(digest),
             tick: seq,
+            slot: slot32,
             readers: 0,
             state: State::Valid,
+            referenced: false,
         };
+        self.owners[s] = entry as u32 + 1;
+        self.resident += 1;
         *self.tag_mut(i) = tag_of(digest);
-        self.clock = self.clock.max(seq);
+        if seq >= self.clock {
+            // The hand goes on after the last block written, as it would have.
+            self.clock = seq;
+            self.hand = (slot + 1) % self.geo.slots;
+        }
+        lost
     }
 
     /// The recency clock, persisted as the next write's sequence.
     pub(crate) fn clock(&self) -> u64 {
         self.clock
+    }
+
+    /// Checks the invariants in the module docs; the first broken one, named.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut valid = 0;
+        for (i, r) in self.records.iter().enumerate() {
+            let tag = self.tags[i / self.geo.ways as usize].0[i % self.geo.ways as usize];
+            match r.state {
+                State::Empty => {
+                    if tag != 0 {
+                        return Err(format!("empty entry {i} has tag {tag}"));
+                    }
+                }
+                State::Valid | State::Writing => {
+                    if self.owners.get(r.slot as usize) != Some(&(i as u32 + 1)) {
+                        return Err(format!("entry {i} names slot {} not owned by it", r.slot));
+                    }
+                    let want = if r.state == State::Valid {
+                        valid += 1;
+                        tag_of(whole(r.digest))
+                    } else {
+                        0
+                    };
+                    if tag != want {
+                        return Err(format!("entry {i} has tag {tag}, not {want}"));
+                    }
+                }
+            }
+        }
+        for (s, &o) in self.owners.iter().enumerate() {
+            if let Some(e) = o.checked_sub(1) {
+                let r = self.records.get(e as usize);
+                if !r.is_some_and(|r| r.state != State::Empty && r.slot as usize == s) {
+                    return Err(format!(
+                        "slot {s} is owned by entry {e}, which does not name it"
+                    ));
+                }
+            }
+        }
+        if valid != self.resident {
+            return Err(format!(
+                "{valid} valid entries, resident says {}",
+                self.resident
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -397,49 +563,153 @@ impl SlotIndex {
 mod tests {
     use super::*;
 
-    use super::super::layout::ENTRY_BYTES;
-
+    /// A geometry of `slots` slots of 4000-byte blocks, entries in one set where they fit.
     fn geo(slots: u64) -> Geometry {
-        Geometry::fit(4096 + slots * (4096 + ENTRY_BYTES as u64), 4000, 1).unwrap()
+        let g = Geometry::fit(Geometry::capacity_for(slots, 4000).unwrap(), 4000, 1).unwrap();
+        assert_eq!(g.slots, slots);
+        g
+    }
+
+    fn put(ix: &mut SlotIndex, d: u128) -> (u64, u64, Vec<u64>) {
+        let mut evicted = Vec::new();
+        let Placement::Write { entry, slot } = ix.place(d, &mut evicted) else {
+            panic!("{d} not placed")
+        };
+        ix.finish_write(entry, true);
+        ix.check_invariants().unwrap();
+        (entry, slot, evicted)
     }
 
     #[test]
-    fn lru_within_a_set_and_busy_slots_are_kept() {
-        let mut ix = SlotIndex::new(geo(4));
-        for d in 1..=4u128 {
-            let Placement::Write { slot, evicted } = ix.place(d) else {
-                panic!()
-            };
-            assert!(!evicted);
-            ix.finish_write(slot, true);
-        }
-        assert_eq!(ix.resident(), 4);
-        // Read 1: 2 is now the least recently used.
-        let s1 = ix.begin_read(1).unwrap();
-        ix.end_read(s1);
-        let s2 = ix.find(2).unwrap();
-        assert_eq!(
-            ix.place(5),
-            Placement::Write {
-                slot: s2,
-                evicted: true
-            }
-        );
+    fn a_batch_goes_to_consecutive_slots_and_the_clock_keeps_blocks_in_use() {
+        let mut ix = SlotIndex::new(geo(8));
+        let slots: Vec<u64> = (1..=8u128).map(|d| put(&mut ix, d).1).collect();
+        assert_eq!(slots, (0..8).collect::<Vec<_>>(), "in order from the hand");
+        assert_eq!(ix.resident(), 8);
+        // Block 1 (slot 0) is read: the hand passes it once; block 2 (slot 1) goes.
+        let l = ix.begin_read(1).unwrap();
+        assert_eq!(l.slot, 0);
+        ix.end_read(l.entry);
+        let (_, slot, evicted) = put(&mut ix, 9);
+        assert_eq!(slot, 1);
+        assert_eq!(evicted.len(), 1);
         assert_eq!(ix.find(2), None);
-        assert_eq!(ix.find(5), None, "not readable while written");
-        ix.finish_write(s2, true);
-        assert!(ix.find(5).is_some());
-        assert_eq!(ix.place(5), Placement::Present);
-        // Hold every slot with a reader: nothing can be evicted.
-        let held: Vec<u64> = [1u128, 3, 4, 5]
+        // A block being read is never a victim; nor is one being written.
+        let held = ix.begin_read(3).unwrap();
+        let mut ev = Vec::new();
+        let Placement::Write { entry, slot } = ix.place(10, &mut ev) else {
+            panic!()
+        };
+        assert_eq!(slot, 3, "slot 2 (block 3) is being read");
+        assert_eq!(ix.find(10), None, "not readable while written");
+        assert_eq!(
+            ix.place(10, &mut ev),
+            Placement::Present,
+            "written by another batch"
+        );
+        ix.finish_write(entry, true);
+        ix.end_read(held.entry);
+        ix.check_invariants().unwrap();
+        // Every block held by a reader: nothing can go.
+        let all: Vec<Location> = [1u128, 3, 9, 10, 5, 6, 7, 8]
             .iter()
             .map(|&d| ix.begin_read(d).unwrap())
             .collect();
-        assert_eq!(ix.place(6), Placement::Busy);
-        for s in held {
-            ix.end_read(s);
+        assert_eq!(ix.place(11, &mut ev), Placement::Busy);
+        for l in all {
+            ix.end_read(l.entry);
         }
-        assert_eq!(ix.resident(), 4);
+        assert_eq!(ix.resident(), 8);
+        ix.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_failed_write_frees_its_slot_and_entry() {
+        let mut ix = SlotIndex::new(geo(4));
+        let mut ev = Vec::new();
+        let Placement::Write { entry, slot } = ix.place(7, &mut ev) else {
+            panic!()
+        };
+        ix.finish_write(entry, false);
+        ix.check_invariants().unwrap();
+        assert_eq!(ix.resident(), 0);
+        assert_eq!(ix.find(7), None);
+        // The hand moved on; the freed slot is taken when it comes round again.
+        let taken: Vec<u64> = (10..14u128).map(|d| put(&mut ix, d).1).collect();
+        assert_eq!(taken, [1, 2, 3, slot]);
+    }
+
+    #[test]
+    fn of_two_entries_naming_one_slot_the_later_write_is_restored() {
+        let mut ix = SlotIndex::new(geo(4));
+        assert_eq!(ix.restore(0, 5, 10, 2), None);
+        assert_eq!(ix.restore(1, 6, 4, 2), Some(1), "older: loses");
+        assert_eq!(ix.find(5), Some(0));
+        assert_eq!(ix.restore(2, 7, 12, 2), Some(0), "newer: wins");
+        assert_eq!(ix.find(5), None);
+        assert_eq!(ix.find(7), Some(2));
+        assert_eq!(
+            ix.restore(3, 8, 13, 9),
+            None,
+            "a slot past the file is not restored"
+        );
+        assert_eq!(ix.find(8), None);
+        assert_eq!(ix.resident(), 1);
+        ix.check_invariants().unwrap();
+        // The hand goes on after the latest write.
+        assert_eq!(put(&mut ix, 40).1, 3);
+    }
+
+    #[test]
+    fn random_operations_keep_the_invariants() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut ix = SlotIndex::new(geo(40));
+        let mut writing: Vec<u64> = Vec::new();
+        let mut reading: Vec<u64> = Vec::new();
+        let mut ev = Vec::new();
+        for _ in 0..20_000 {
+            let d = u128::from(next() % 120 + 1) << 64 | u128::from(next() % 3);
+            match next() % 6 {
+                0 | 1 => {
+                    if let Placement::Write { entry, .. } = ix.place(d, &mut ev) {
+                        writing.push(entry);
+                    }
+                }
+                2 if !writing.is_empty() => {
+                    let e = writing.swap_remove((next() % writing.len() as u64) as usize);
+                    ix.finish_write(e, next() % 8 != 0);
+                }
+                3 => {
+                    if let Some(l) = ix.begin_read(d) {
+                        reading.push(l.entry);
+                    }
+                }
+                4 if !reading.is_empty() => {
+                    let e = reading.swap_remove((next() % reading.len() as u64) as usize);
+                    ix.end_read(e);
+                }
+                5 => {
+                    if let Some(e) = ix.find(d) {
+                        if !reading.contains(&e) {
+                            ix.drop_entry(e, d);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            ix.check_invariants().unwrap();
+            // A readable block's slot is its own.
+            if let Some(e) = ix.find(d) {
+                let s = ix.slot_of(e);
+                assert_eq!(ix.owners[s as usize], e as u32 + 1);
+            }
+        }
     }
 }
 
@@ -451,23 +721,24 @@ mod tag_tests {
     #[test]
     fn a_tag_match_with_another_digest_is_not_a_hit() {
         let mut ix = SlotIndex::with_slots(128).unwrap();
-        assert_eq!(ix.bytes_per_slot(), 34.0);
+        assert_eq!(ix.bytes_per_slot(), 55.0);
         assert_eq!(ix.slots(), 128);
         // Same set (high half), same tag (low 16 bits), another digest.
         let a = 5u128 << 64 | 0x1234_0007;
         let b = 5u128 << 64 | 0x9999_0007;
-        let Placement::Write { slot, .. } = ix.place(a) else {
+        let Placement::Write { entry, .. } = ix.place(a, &mut Vec::new()) else {
             panic!()
         };
-        ix.finish_write(slot, true);
-        assert_eq!(ix.find(a), Some(slot));
+        ix.finish_write(entry, true);
+        assert_eq!(ix.find(a), Some(entry));
         assert_eq!(ix.find(b), None);
         let mut found = Vec::new();
         ix.find_many(&[b, a, b, a], &mut found);
-        assert_eq!(found, [None, Some(slot), None, Some(slot)]);
-        ix.drop_slot(slot, a);
+        assert_eq!(found, [None, Some(entry), None, Some(entry)]);
+        ix.drop_entry(entry, a);
         assert_eq!(ix.find(a), None, "a dropped block's tag is cleared");
         assert_eq!(ix.resident(), 0);
+        ix.check_invariants().unwrap();
     }
 
     #[test]
@@ -483,8 +754,8 @@ mod tag_tests {
         let mut keys = Vec::new();
         for _ in 0..600 {
             let d = u128::from(next()) << 64 | u128::from(next());
-            if let Placement::Write { slot, .. } = ix.place(d) {
-                ix.finish_write(slot, true);
+            if let Placement::Write { entry, .. } = ix.place(d, &mut Vec::new()) {
+                ix.finish_write(entry, true);
             }
             // A miss in the same set with the same tag, and a plain miss.
             keys.extend([

@@ -1,15 +1,16 @@
 //! [`DiskChanges`]: which blocks came onto a rank's disk and which left it, for the KV
 //! events a router reads (medium `"STORAGE"`).
 //!
-//! Only the store knows both: a write-behind batch may be dropped, skipped (its set busy)
-//! or fail, and a write evicts the least recently used block of its set. So the store
-//! records, per slot, the hash of the block it holds (read from the value's header, the
-//! hash the write was asked for), and hands out what changed since the last call. It is
-//! kept only when asked for ([`DiskOptions::report_changes`](super::DiskOptions)): 17
-//! bytes per slot.
+//! Only the store knows both: a write-behind batch may be dropped, skipped (no slot or
+//! entry free) or fail, and a write evicts the block under the clock hand (or its set's
+//! least recently used one). So the store records, per index entry, the hash of the
+//! block it describes (the hash the write was asked for, or the entry's), and hands out
+//! what changed since the last call. It is kept only when asked for
+//! ([`DiskOptions::report_changes`](super::DiskOptions)): 17 bytes per entry, 1.5
+//! entries a slot.
 //!
-//! Blocks a restart recovered are reported once a read or a write finds them (their
-//! hashes are in the values, which a rebuild does not read).
+//! Blocks a restart recovered are reported once a read or a write finds them (the
+//! rebuild fills the index, not the journal).
 
 /// Bytes of the hashes the journal keeps: the tier's keys (`HASH_BYTES` of the binding).
 pub const JOURNAL_HASH_BYTES: usize = 16;
@@ -41,7 +42,7 @@ impl DiskChanges {
     }
 }
 
-/// The per-slot record and the changes not taken yet.
+/// The per-entry record and the changes not taken yet.
 #[derive(Debug)]
 pub(crate) struct Journal {
     slots: Vec<Option<Hash>>,
@@ -49,14 +50,15 @@ pub(crate) struct Journal {
 }
 
 impl Journal {
-    pub(crate) fn new(slots: u64) -> Self {
+    pub(crate) fn new(entries: u64) -> Self {
         Self {
-            slots: vec![None; slots as usize],
+            slots: vec![None; entries as usize],
             changes: DiskChanges::default(),
         }
     }
 
-    /// `slot` now holds the block `hash` (a hash of another length is not reported).
+    /// Entry `slot` now describes the block `hash` (a hash of another length is not
+    /// reported).
     pub(crate) fn stored(&mut self, slot: u64, hash: &[u8]) {
         let (Some(s), Ok(h)) = (self.slots.get_mut(slot as usize), Hash::try_from(hash)) else {
             return;
@@ -70,7 +72,7 @@ impl Journal {
         self.changes.stored.push(h);
     }
 
-    /// The block in `slot` left the disk.
+    /// The block of entry `slot` left the disk.
     pub(crate) fn removed(&mut self, slot: u64) {
         if let Some(h) = self.slots.get_mut(slot as usize).and_then(Option::take) {
             self.changes.gone(h);

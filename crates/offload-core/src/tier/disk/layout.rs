@@ -1,11 +1,11 @@
 //! What the tier's files hold: the geometry, the index file's header and its entries.
 //!
 //! A rank's file set is `<disk_path>.rank_<N>` (the data: one slot per block) and
-//! `<...>.idx` (a 4 KiB header, then one 128-byte entry per slot). A slot holds exactly
-//! the block's payload, nothing else, from a 4 KiB boundary: its size is the payload
-//! rounded up to 4 KiB, so a 64 KiB block takes a 64 KiB slot and `O_DIRECT` reads and
-//! writes go straight between the slot and the CPU block's slices. What says which block
-//! a slot holds is its entry: the block's key digest and hash, and a checksum of the
+//! `<...>.idx` (a 4 KiB header, then 128-byte entries). A slot holds exactly the block's
+//! payload, nothing else, from a 4 KiB boundary: its size is the payload rounded up to
+//! 4 KiB, so a 64 KiB block takes a 64 KiB slot and `O_DIRECT` reads and writes go
+//! straight between the slot and the CPU block's slices. What says which block a slot
+//! holds is an entry: the block's key digest and hash, the slot, and a checksum of the
 //! payload bound to the key:
 //!
 //! ```text
@@ -14,11 +14,12 @@
 //! 6   reserved                   2
 //! 8   key digest (u128)          16
 //! 24  payload length (u64)       8
-//! 32  write sequence (u64)       8   orders writes, so a rebuilt index keeps LRU order
+//! 32  write sequence (u64)       8   orders writes: a rebuilt index keeps their order,
+//!                                    and of two entries naming one slot the later wins
 //! 40  payload checksum (u64)     8   `value_sum` of the payload, bound to the key digest
 //! 48  block hash                 64  vLLM's hash (hash length bytes, then zeros), announced
 //!                                    in KV events for blocks a restart recovered
-//! 112 reserved                   8
+//! 112 slot (u64)                 8   where the payload is in the data file
 //! 120 entry checksum (u64)       8   over bytes 0..120
 //! ```
 //! The index file's header carries the layout fingerprint and the geometry, so a slot's
@@ -28,9 +29,13 @@
 //! binds it to the key digest too (bytes of another block are a miss even where an
 //! entry of theirs would be valid), so such a slot is a miss, never served.
 //!
-//! Slots are grouped in sets of [`MAX_WAYS`]: a key lives in the set its digest picks, so
-//! the scheduler (another process) finds a block by reading one set's entries, without an
-//! index of its own, and eviction is LRU within the set.
+//! Entries are grouped in sets of [`MAX_WAYS`]: a key's entry lives in the set its digest
+//! picks, so the scheduler (another process) finds a block by reading one set's entries,
+//! without an index of its own. The entry names the slot, so where the payload goes is
+//! not the key's to decide: the store writes each batch's blocks into consecutive slots
+//! (`index.rs`), and a prompt's blocks, stored together, are read back together in a few
+//! large I/Os instead of one small one each. There are half again as many entries as
+//! slots ([`ENTRIES_PER_SLOT`]), so a set is rarely full while slots are free.
 
 use super::super::checksum::checksum;
 use super::super::value_sum::ValueSum;
@@ -43,8 +48,13 @@ pub(crate) const ALIGN: u64 = 4096;
 pub(crate) const IDX_HEADER: u64 = 4096;
 /// Bytes of one entry of the index file.
 pub const ENTRY_BYTES: usize = 128;
-/// Slots per set.
+/// Entries per set.
 pub(crate) const MAX_WAYS: u64 = 64;
+/// Entries per slot, as a fraction (3/2): a set holds 64 entries, a full tier about 43
+/// of them on average, so a set runs out of entries (and evicts a block before the data
+/// file is full) about once in a thousand sets, while an entry costs 128 bytes of the
+/// capacity and 34 of host memory (`index.rs`).
+pub(crate) const ENTRIES_PER_SLOT: (u64, u64) = (3, 2);
 
 const FILE_MAGIC: &[u8; 8] = b"KVOFDISK";
 /// 2: a digest's set is picked by a multiply-shift, not a remainder (a division costs as
@@ -57,7 +67,10 @@ const FILE_MAGIC: &[u8; 8] = b"KVOFDISK";
 /// page per 64 KiB block and kept `O_DIRECT` from reading into the CPU block), and what
 /// the header said moved into 128-byte entries. A version-3 file has other slot and
 /// entry sizes: it is wiped at start, never read.
-const FILE_VERSION: u32 = 4;
+/// 5: entries name their slot, and there are more entries than slots (a batch's blocks
+/// go to consecutive slots, wherever their keys' sets are). A version-4 file's entries
+/// are their slots' by position: it is wiped at start, never read.
+const FILE_VERSION: u32 = 5;
 const ENTRY_MAGIC: &[u8; 4] = b"KVDE";
 const ENTRY_SEED: u64 = 0x6b76_6469_736b_656e;
 const DIGEST_SEEDS: [u64; 2] = [0x6469_736b_6b65_7931, 0x6469_736b_6b65_7932];
@@ -67,6 +80,9 @@ const PAYLOAD_SEED: u64 = 0x6b76_7061_796c_6f64;
 const BIND_SEED: u64 = 0x6b76_6269_6e64_6b79;
 /// Bytes of an entry its checksum covers.
 const ENTRY_BODY: usize = ENTRY_BYTES - 8;
+/// Bytes of the index header its checksum covers: magic, version, padding, five sizes,
+/// the fingerprint.
+const HEADER_BODY: usize = 8 + 4 + 4 + 5 * 8 + 16;
 
 /// How a rank's capacity is cut into slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,37 +91,65 @@ pub(crate) struct Geometry {
     pub block_bytes: u64,
     /// Bytes of one slot: `block_bytes` rounded up to [`ALIGN`].
     pub slot_bytes: u64,
-    /// Slots in the data file.
+    /// Slots in the data file (at most `u32::MAX`: the index keeps a slot in 32 bits).
     pub slots: u64,
-    /// Slots per set.
+    /// Entries in the index file: whole sets, about [`ENTRIES_PER_SLOT`] of `slots`.
+    pub entries: u64,
+    /// Entries per set.
     pub ways: u64,
     /// The layout fingerprint whose blocks the files hold.
     pub fingerprint: u128,
 }
 
 impl Geometry {
-    /// The most slots of `block_bytes`-byte blocks that fit `capacity` with their entries
-    /// and the index header; `None` when not one set fits.
+    /// The most slots of `block_bytes`-byte blocks that fit `capacity` with the index
+    /// file (its header and entries); `None` when not one slot fits.
     pub(crate) fn fit(capacity: u64, block_bytes: u64, fingerprint: u128) -> Option<Self> {
         let slot_bytes = block_bytes.max(1).div_ceil(ALIGN).checked_mul(ALIGN)?;
-        let per_slot = slot_bytes + ENTRY_BYTES as u64;
-        let mut slots = capacity.checked_sub(IDX_HEADER)? / per_slot;
-        let ways = slots.min(MAX_WAYS);
-        if ways == 0 {
-            return None;
+        let (num, den) = ENTRIES_PER_SLOT;
+        let per_slot = slot_bytes + ENTRY_BYTES as u64 * num / den;
+        let mut slots = (capacity.checked_sub(IDX_HEADER)? / per_slot).min(u64::from(u32::MAX));
+        // Rounding the entries up to whole sets takes up to a set's entries more than
+        // `per_slot` counts: a few slots fewer make room.
+        while slots > 0 {
+            let wanted = (slots * num).div_ceil(den);
+            let ways = wanted.min(MAX_WAYS);
+            let entries = wanted.div_ceil(ways) * ways;
+            let geo = Self {
+                block_bytes,
+                slot_bytes,
+                slots,
+                entries,
+                ways,
+                fingerprint,
+            };
+            if geo.data_file_bytes() + geo.idx_file_bytes() <= capacity {
+                return Some(geo);
+            }
+            slots -= 1;
         }
-        slots -= slots % ways;
-        Some(Self {
-            block_bytes,
-            slot_bytes,
-            slots,
-            ways,
-            fingerprint,
-        })
+        None
+    }
+
+    /// The capacity [`Self::fit`] cuts into exactly `slots` slots of `block_bytes`-byte
+    /// blocks (`None` past `u32::MAX` slots or `u64` bytes).
+    pub(crate) fn capacity_for(slots: u64, block_bytes: u64) -> Option<u64> {
+        let slot_bytes = block_bytes.max(1).div_ceil(ALIGN).checked_mul(ALIGN)?;
+        let (num, den) = ENTRIES_PER_SLOT;
+        let wanted = slots.checked_mul(num)?.div_ceil(den);
+        let entries = wanted.next_multiple_of(wanted.clamp(1, MAX_WAYS));
+        (slots <= u64::from(u32::MAX))
+            .then(|| {
+                slots
+                    .checked_mul(slot_bytes)?
+                    .checked_add(entries.checked_mul(ENTRY_BYTES as u64)?)?
+                    .checked_add(IDX_HEADER)
+            })
+            .flatten()
     }
 
     pub(crate) fn sets(&self) -> u64 {
-        self.slots / self.ways
+        self.entries / self.ways
     }
 
     /// `digest`'s set: its high half scaled to `0..sets` (multiply, keep the high word).
@@ -115,7 +159,7 @@ impl Geometry {
         ((u128::from((digest >> 64) as u64) * u128::from(self.sets())) >> 64) as u64
     }
 
-    /// The first slot of `digest`'s set.
+    /// The first entry of `digest`'s set.
     pub(crate) fn set_start(&self, digest: u128) -> u64 {
         self.set_of(digest) * self.ways
     }
@@ -124,8 +168,8 @@ impl Geometry {
         slot * self.slot_bytes
     }
 
-    pub(crate) fn entry_offset(&self, slot: u64) -> u64 {
-        IDX_HEADER + slot * ENTRY_BYTES as u64
+    pub(crate) fn entry_offset(&self, entry: u64) -> u64 {
+        IDX_HEADER + entry * ENTRY_BYTES as u64
     }
 
     pub(crate) fn data_file_bytes(&self) -> u64 {
@@ -133,7 +177,7 @@ impl Geometry {
     }
 
     pub(crate) fn idx_file_bytes(&self) -> u64 {
-        IDX_HEADER + self.slots * ENTRY_BYTES as u64
+        IDX_HEADER + self.entries * ENTRY_BYTES as u64
     }
 
     /// The index file's header: geometry and fingerprint, so a restart (or the
@@ -143,7 +187,13 @@ impl Geometry {
         h.extend_from_slice(FILE_MAGIC);
         h.extend_from_slice(&FILE_VERSION.to_le_bytes());
         h.extend_from_slice(&[0; 4]);
-        for n in [self.block_bytes, self.slot_bytes, self.slots, self.ways] {
+        for n in [
+            self.block_bytes,
+            self.slot_bytes,
+            self.slots,
+            self.ways,
+            self.entries,
+        ] {
             h.extend_from_slice(&n.to_le_bytes());
         }
         h.extend_from_slice(&self.fingerprint.to_le_bytes());
@@ -155,15 +205,14 @@ impl Geometry {
 
     /// The geometry an index header describes, `None` unless it is intact.
     pub(crate) fn decode_header(h: &[u8]) -> Option<Self> {
-        const BODY: usize = 8 + 4 + 4 + 4 * 8 + 16;
-        if h.len() < BODY + 8 || &h[..8] != FILE_MAGIC {
+        if h.len() < HEADER_BODY + 8 || &h[..8] != FILE_MAGIC {
             return None;
         }
         if u32::from_le_bytes(h[8..12].try_into().ok()?) != FILE_VERSION {
             return None;
         }
-        if u64::from_le_bytes(h[BODY..BODY + 8].try_into().ok()?)
-            != checksum(ENTRY_SEED, &[&h[..BODY]])
+        if u64::from_le_bytes(h[HEADER_BODY..HEADER_BODY + 8].try_into().ok()?)
+            != checksum(ENTRY_SEED, &[&h[..HEADER_BODY]])
         {
             return None;
         }
@@ -174,10 +223,12 @@ impl Geometry {
             slot_bytes: n(1),
             slots: n(2),
             ways: n(3),
-            fingerprint: u128::from_le_bytes(h[48..64].try_into().ok()?),
+            entries: n(4),
+            fingerprint: u128::from_le_bytes(h[56..72].try_into().ok()?),
         };
         (geo.ways > 0
-            && geo.slots % geo.ways == 0
+            && geo.entries % geo.ways == 0
+            && geo.slots <= u64::from(u32::MAX)
             && geo.slot_bytes >= geo.block_bytes
             && geo.slot_bytes % ALIGN == 0)
             .then_some(geo)
@@ -221,10 +272,11 @@ impl PayloadSum {
     }
 }
 
-/// One slot's entry as stored: which block the slot holds and what its payload sums to.
+/// One entry as stored: which block a slot holds and what its payload sums to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Entry {
     pub digest: u128,
+    pub slot: u64,
     pub payload_len: u64,
     pub seq: u64,
     pub payload_sum: u64,
@@ -233,9 +285,11 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
-    /// The entry of block `hash` (cut to [`MAX_HASH_BYTES`]) under key digest `digest`.
+    /// The entry of block `hash` (cut to [`MAX_HASH_BYTES`]) under key digest `digest`,
+    /// its payload in slot `slot`.
     pub(crate) fn new(
         digest: u128,
+        slot: u64,
         payload_len: u64,
         seq: u64,
         payload_sum: u64,
@@ -246,6 +300,7 @@ impl Entry {
         h[..hash.len()].copy_from_slice(hash);
         Self {
             digest,
+            slot,
             payload_len,
             seq,
             payload_sum,
@@ -269,6 +324,7 @@ impl Entry {
         e[32..40].copy_from_slice(&self.seq.to_le_bytes());
         e[40..48].copy_from_slice(&self.payload_sum.to_le_bytes());
         e[48..48 + MAX_HASH_BYTES].copy_from_slice(&self.hash);
+        e[112..120].copy_from_slice(&self.slot.to_le_bytes());
         let sum = checksum(ENTRY_SEED, &[&e[..ENTRY_BODY]]);
         e[ENTRY_BODY..].copy_from_slice(&sum.to_le_bytes());
         e
@@ -291,6 +347,7 @@ impl Entry {
         hash.copy_from_slice(&e[48..48 + MAX_HASH_BYTES]);
         Some(Self {
             digest: u128::from_le_bytes(e[8..24].try_into().ok()?),
+            slot: u(112..120),
             payload_len: u(24..32),
             seq: u(32..40),
             payload_sum: u(40..48),
@@ -318,11 +375,28 @@ mod tests {
                 g.data_file_bytes() + g.idx_file_bytes() <= cap,
                 "{cap} {len}"
             );
-            assert_eq!(g.slots % g.ways, 0);
+            assert_eq!(g.entries % g.ways, 0);
+            assert!(g.entries * 2 >= g.slots * 3, "{g:?}");
             assert_eq!(g.slot_bytes % ALIGN, 0);
             assert_eq!(Geometry::decode_header(&g.encode_header()), Some(g));
         }
         assert!(Geometry::fit(4096, 100, 0).is_none());
+    }
+
+    #[test]
+    fn capacity_for_gives_exactly_the_slots_asked_for() {
+        for slots in [1u64, 2, 4, 7, 42, 43, 64, 100, 1000, 12_345] {
+            for block in [1u64, 4000, 4096, 5003, 64 << 10, 2 << 20] {
+                let cap = Geometry::capacity_for(slots, block).unwrap();
+                assert_eq!(Geometry::fit(cap, block, 0).map(|g| g.slots), Some(slots));
+                assert_ne!(
+                    Geometry::fit(cap - 1, block, 0).map(|g| g.slots),
+                    Some(slots),
+                    "{slots} {block}: the least capacity"
+                );
+            }
+        }
+        assert_eq!(Geometry::capacity_for(u64::from(u32::MAX) + 1, 4096), None);
     }
 
     #[test]
@@ -334,9 +408,8 @@ mod tests {
             let mut h = g.encode_header();
             h[8..12].copy_from_slice(&version.to_le_bytes());
             // Re-summed, so only the version differs from a valid header.
-            const BODY: usize = 8 + 4 + 4 + 4 * 8 + 16;
-            let sum = checksum(ENTRY_SEED, &[&h[..BODY]]);
-            h[BODY..BODY + 8].copy_from_slice(&sum.to_le_bytes());
+            let sum = checksum(ENTRY_SEED, &[&h[..HEADER_BODY]]);
+            h[HEADER_BODY..HEADER_BODY + 8].copy_from_slice(&sum.to_le_bytes());
             assert_eq!(Geometry::decode_header(&h), None, "version {version}");
         }
     }
@@ -352,13 +425,16 @@ mod tests {
             let g = Geometry::fit(1 << 30, block, 0).unwrap();
             assert_eq!(g.slot_bytes, slot, "{block}");
         }
-        // A 64 KiB block costs its slot and its entry, nothing more.
+        // A 64 KiB block costs its slot and one and a half entries, nothing more.
         let g = Geometry::fit(
-            IDX_HEADER + 64 * ((64 << 10) + ENTRY_BYTES as u64),
+            IDX_HEADER + 128 * ((64 << 10) + ENTRY_BYTES as u64 * 3 / 2),
             64 << 10,
             0,
         );
-        assert_eq!(g.map(|g| g.slots), Some(64));
+        assert_eq!(
+            g.map(|g| (g.slots, g.entries, g.ways)),
+            Some((128, 192, 64))
+        );
     }
 
     #[test]
@@ -380,7 +456,7 @@ mod tests {
 
     #[test]
     fn sets_spread_over_the_whole_range() {
-        let g = Geometry::fit(4096 + 640 * (4096 + ENTRY_BYTES as u64), 4096, 0).unwrap();
+        let g = Geometry::fit(4096 + 426 * (4096 + ENTRY_BYTES as u64 * 3 / 2), 4096, 0).unwrap();
         assert_eq!(g.sets(), 10);
         let mut seen = [false; 10];
         for i in 0..1000u64 {
@@ -393,7 +469,7 @@ mod tests {
 
     #[test]
     fn entries_round_trip_and_any_flip_is_rejected() {
-        let e = Entry::new(77, 5000, 3, 0xdead, &[0xa5; 32]);
+        let e = Entry::new(77, 41, 5000, 3, 0xdead, &[0xa5; 32]);
         let b = e.encode();
         assert_eq!(Entry::decode(&b), Some(e));
         assert_eq!(Entry::decode(&b).unwrap().hash(), &[0xa5; 32]);

@@ -23,7 +23,7 @@
 //! usable, and the kernel frees the space when the worker dies, however it dies (vLLM's
 //! default `--shutdown-timeout 0` force-kills it, so no destructor may run). The index
 //! keeps its name (it holds the lock, and the scheduler's [`DiskProbe`] opens it by path)
-//! and is removed at shutdown; a force kill leaves only it (128 B per slot and 4 KiB),
+//! and is removed at shutdown; a force kill leaves only it (192 B per slot and 4 KiB),
 //! emptied by the next engine on the path. With `disk_persist` both files stay, and the
 //! next engine rebuilds its index from the entries (blocks of another layout or capacity
 //! are wiped, never served).
@@ -67,7 +67,7 @@ pub use error::{DiskError, IoKind};
 pub use index::{Placement, SlotIndex};
 pub use journal::{DiskChanges, JOURNAL_HASH_BYTES};
 pub use layout::ENTRY_BYTES;
-pub use options::{DiskOptions, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
+pub use options::{capacity_for_blocks, DiskOptions, DEFAULT_IO_THREADS, DISABLE_AFTER_ERRORS};
 pub use reader::DiskProbe;
 pub use stats::{DiskSnapshot, DiskStats};
 pub use store::DiskStore;

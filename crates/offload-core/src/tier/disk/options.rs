@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use super::layout::Geometry;
 use crate::tier::LayoutFingerprint;
 use crate::transfer::FaultPlan;
 
@@ -33,6 +34,22 @@ pub struct DiskOptions {
     pub faults: FaultPlan,
     /// Record which blocks come and go, for [`DiskStore::take_changes`](super::DiskStore::take_changes) (KV events).
     pub report_changes: bool,
+}
+
+/// The `capacity_bytes` that holds exactly `blocks` blocks of `block_bytes` bytes: their
+/// slots (each block rounded up to 4 KiB), the index file's entries and header. `None`
+/// when that does not fit in a `u64` or names more than `u32::MAX` blocks.
+///
+/// # Examples
+/// ```
+/// use offload_core::tier::disk::capacity_for_blocks;
+///
+/// // 1,000 blocks of 64 KiB: 64,000 KiB of slots and 1,500 entries of 128 bytes (whole
+/// // sets of 64), after a 4 KiB header.
+/// assert_eq!(capacity_for_blocks(1000, 64 << 10), Some(1000 * 65536 + 1536 * 128 + 4096));
+/// ```
+pub fn capacity_for_blocks(blocks: u64, block_bytes: u64) -> Option<u64> {
+    Geometry::capacity_for(blocks, block_bytes)
 }
 
 impl DiskOptions {

@@ -14,6 +14,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use super::error::IoKind;
+use super::index::Location;
 use super::layout::key_digest;
 use super::stats::DiskStats;
 use super::store::DiskStore;
@@ -21,69 +22,91 @@ use crate::tier::fill::through_get;
 use crate::tier::value::{encode, stored_hash, ValueError};
 use crate::tier::{BlockFill, Fill, LayoutFingerprint, RemoteKey, TierError};
 
+/// A result per block of a run, and whether the run moved with one I/O (whose error,
+/// then, every block of it shares).
+pub(super) type RunResults<T> = (Vec<Result<T, IoKind>>, bool);
+
+/// A block a batch reads: its position among the batch's keys, its key digest, where
+/// it is.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Wanted {
+    pub(super) i: usize,
+    pub(super) digest: u128,
+    pub(super) at: Location,
+}
+
 impl DiskStore {
-    /// Reads the slots of `keys` with `read` (on the I/O threads; given the key's position,
-    /// its digest and its slot) and settles each: `Ok(Some)` a good block (its hash, by `hash_of`, to
-    /// the journal), `Ok(None)` a block that failed its checks (counted, its slot freed and
-    /// its entry cleared), `Err` a failed I/O (counted towards disabling the tier).
+    /// Reads the blocks of `keys` with `read` (on the I/O threads, a run of blocks in
+    /// consecutive slots at a time, at most `run_blocks` long; it returns a result per
+    /// block of the run, and whether the run was one I/O) and settles each: `Ok(Some)` a
+    /// good block (its hash, by `hash_of`, to the journal), `Ok(None)` a block that failed
+    /// its checks (counted, its slot freed and its entry cleared), `Err` a failed I/O
+    /// (counted, once per I/O, towards disabling the tier).
     pub(super) fn read_batch<R: Send>(
         &self,
         keys: &[RemoteKey],
-        read: impl Fn(usize, u128, u64) -> Result<Option<R>, IoKind> + Sync,
+        run_blocks: usize,
+        read: impl Fn(&[Wanted]) -> RunResults<Option<R>> + Sync,
         hash_of: impl Fn(&R) -> Option<&[u8]>,
     ) -> Vec<Result<Option<R>, TierError>> {
         if self.is_disabled() {
             return keys.iter().map(|_| Ok(None)).collect();
         }
         let started = Instant::now();
-        let wanted: Vec<(usize, u128, Option<u64>)> = {
+        let found: Vec<Wanted> = {
             let mut index = self.index();
             keys.iter()
                 .enumerate()
-                .map(|(i, k)| {
-                    let d = key_digest(k.as_str().as_bytes());
-                    (i, d, index.begin_read(d))
+                .filter_map(|(i, k)| {
+                    let digest = key_digest(k.as_str().as_bytes());
+                    index.begin_read(digest).map(|at| Wanted { i, digest, at })
                 })
                 .collect()
         };
-        let reads = self.parallel(&wanted, |&(i, d, slot)| slot.map(|s| read(i, d, s)));
+        let runs = consecutive_runs(&found, run_blocks, |w| w.at.slot);
+        let per_run = self.parallel(&runs, |r| read(&found[r.clone()]));
         let s = &self.shared;
         let mut index = self.index();
-        let mut out = Vec::with_capacity(keys.len());
-        for (&(_, digest, slot), read) in wanted.iter().zip(reads) {
-            let Some(slot) = slot else {
-                out.push(Ok(None));
-                continue;
-            };
-            index.end_read(slot);
-            match read {
-                Some(Ok(Some(got))) => {
+        let mut out: Vec<Result<Option<R>, TierError>> = keys.iter().map(|_| Ok(None)).collect();
+        let reads = per_run.into_iter().flat_map(|(results, one_io)| {
+            let n = results.len();
+            // The blocks of a run read with one I/O share its error: counted once.
+            results
+                .into_iter()
+                .enumerate()
+                .map(move |(k, r)| (r, !one_io || k + 1 == n))
+        });
+        for (w, (read, counts)) in found.iter().zip(reads) {
+            index.end_read(w.at.entry);
+            out[w.i] = match read {
+                Ok(Some(got)) => {
                     self.outcome(Ok(()));
                     // A block a restart recovered is reported once read (or written).
                     if let Some(h) = hash_of(&got) {
-                        self.journal(|j| j.stored(slot, h));
+                        self.journal(|j| j.stored(w.at.entry, h));
                     }
                     DiskStats::add(&s.stats.reads, 1);
                     DiskStats::add(&s.stats.bytes_read, s.geo.slot_bytes);
-                    out.push(Ok(Some(got)));
+                    Ok(Some(got))
                 }
-                Some(Ok(None)) => {
+                Ok(None) => {
                     DiskStats::add(&s.stats.reads, 1);
                     DiskStats::add(&s.stats.checksum_failures, 1);
-                    index.drop_slot(slot, digest);
-                    self.clear_entry(slot);
-                    self.journal(|j| j.removed(slot));
-                    out.push(Ok(None));
+                    index.drop_entry(w.at.entry, w.digest);
+                    self.clear_entry(w.at.entry);
+                    self.journal(|j| j.removed(w.at.entry));
+                    Ok(None)
                 }
-                Some(Err(kind)) => {
-                    self.outcome(Err(kind));
-                    out.push(Err(TierError::Store {
+                Err(kind) => {
+                    if counts {
+                        self.outcome(Err(kind));
+                    }
+                    Err(TierError::Store {
                         op: "get",
                         reason: format!("disk read failed ({})", kind.name()),
-                    }));
+                    })
                 }
-                None => out.push(Ok(None)),
-            }
+            };
         }
         self.update_resident(&index);
         let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
@@ -98,17 +121,25 @@ impl DiskStore {
         let block_bytes = self.shared.geo.block_bytes as usize;
         self.read_batch(
             keys,
-            |_, digest, slot| {
-                let mut payload = vec![0u8; block_bytes];
-                let entry = self.read_slot_into(slot, digest, &mut [&mut payload[..]])?;
-                Ok(entry.map(|e| encode(fingerprint, e.hash(), &[&payload])))
+            1,
+            |run| {
+                let results = run
+                    .iter()
+                    .map(|w| {
+                        let mut payload = vec![0u8; block_bytes];
+                        let entry = self.read_slot_into(w.at, w.digest, &mut [&mut payload[..]])?;
+                        Ok(entry.map(|e| encode(fingerprint, e.hash(), &[&payload])))
+                    })
+                    .collect();
+                (results, false)
             },
             |v| stored_hash(v),
         )
     }
 
-    /// `get_into`: every block read straight into its destination. Destinations that do
-    /// not take this store's blocks (another payload length than the slots') go through
+    /// `get_into`: every block read straight into its destination, a run of blocks in
+    /// consecutive slots with one I/O where it can (`slot_io`). Destinations that do not
+    /// take this store's blocks (another payload length than the slots') go through
     /// `get`, which names the mismatch as it does for `fetch`.
     pub(super) fn fill_batch(
         &mut self,
@@ -121,13 +152,19 @@ impl DiskStore {
             return through_get(self, keys, fingerprint, blocks);
         }
         let held = LayoutFingerprint(self.shared.geo.fingerprint);
-        // Each block's destination is taken by the one I/O thread that reads its slot.
+        // Each block's destination is taken by the one I/O thread that reads its run.
         let cells: Vec<Mutex<&mut BlockFill<'_, '_>>> = blocks.iter_mut().map(Mutex::new).collect();
         let reads = self.read_batch(
             keys,
-            |i, digest, slot| {
-                let mut block = cells[i].lock().unwrap_or_else(PoisonError::into_inner);
-                self.read_slot_into(slot, digest, &mut block.parts)
+            self.run_blocks(),
+            |run| {
+                let mut guards: Vec<_> = run
+                    .iter()
+                    .map(|w| cells[w.i].lock().unwrap_or_else(PoisonError::into_inner))
+                    .collect();
+                let mut parts: Vec<&mut [&mut [u8]]> =
+                    guards.iter_mut().map(|g| &mut g.parts[..]).collect();
+                self.read_run_into(run, &mut parts)
             },
             |e| Some(e.hash()),
         );
@@ -147,5 +184,43 @@ impl DiskStore {
                 })
             })
             .collect()
+    }
+}
+
+/// `items` (in order) cut into runs of at most `max` whose slots (`slot_of`) follow each
+/// other, as index ranges.
+pub(super) fn consecutive_runs<T>(
+    items: &[T],
+    max: usize,
+    slot_of: impl Fn(&T) -> u64,
+) -> Vec<std::ops::Range<usize>> {
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        match runs.last_mut() {
+            Some(r)
+                if r.len() < max.max(1)
+                    && slot_of(&items[r.end - 1]).checked_add(1) == Some(slot_of(item)) =>
+            {
+                r.end = i + 1;
+            }
+            _ => runs.push(i..i + 1),
+        }
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::consecutive_runs;
+
+    #[test]
+    fn runs_follow_consecutive_slots_up_to_their_longest() {
+        let slots = [4u64, 5, 6, 9, 10, 3, 4, 5, 6, 7, u64::MAX, 0];
+        assert_eq!(
+            consecutive_runs(&slots, 3, |&s| s),
+            [0..3, 3..5, 5..8, 8..10, 10..11, 11..12]
+        );
+        assert_eq!(consecutive_runs(&slots, 1, |&s| s).len(), slots.len());
+        assert!(consecutive_runs(&[] as &[u64], 4, |&s| s).is_empty());
     }
 }

@@ -68,6 +68,14 @@ fn fsync(data: &DataFile) -> std::io::Result<()> {
     data.sync()
 }
 
+/// Where one block of a write batch goes.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Placed {
+    pub(super) entry: u64,
+    pub(super) slot: u64,
+    pub(super) digest: u128,
+}
+
 /// One rank's disk tier (the owner of its files; see the module docs).
 #[derive(Clone)]
 pub struct DiskStore {
@@ -171,7 +179,7 @@ impl DiskStore {
                 seq: AtomicU64::new(seq),
                 journal: opts
                     .report_changes
-                    .then(|| Mutex::new(Journal::new(geo.slots))),
+                    .then(|| Mutex::new(Journal::new(geo.entries))),
                 buffers: Mutex::new(Vec::new()),
             }),
         })
@@ -246,15 +254,16 @@ impl DiskStore {
     /// Byte offset of `key`'s block in the data file, if it is there (for tests that
     /// damage a block on purpose).
     pub fn offset_of(&self, key: &RemoteKey) -> Option<u64> {
-        let slot = self.index().find(key_digest(key.as_str().as_bytes()))?;
-        Some(self.shared.geo.data_offset(slot))
+        let index = self.index();
+        let entry = index.find(key_digest(key.as_str().as_bytes()))?;
+        Some(self.shared.geo.data_offset(index.slot_of(entry)))
     }
 
     /// Byte offset of `key`'s entry in the index file, if the block is there (for tests
     /// that damage an entry on purpose).
     pub fn entry_offset_of(&self, key: &RemoteKey) -> Option<u64> {
-        let slot = self.index().find(key_digest(key.as_str().as_bytes()))?;
-        Some(self.shared.geo.entry_offset(slot))
+        let entry = self.index().find(key_digest(key.as_str().as_bytes()))?;
+        Some(self.shared.geo.entry_offset(entry))
     }
 
     /// Bytes of one slot in the data file (the block rounded up to 4 KiB).
@@ -319,65 +328,73 @@ impl DiskStore {
             .iter()
             .map(|(_, v)| v.block(fingerprint, s.geo.block_bytes as usize))
             .collect();
-        let placed: Vec<Result<Option<(u64, u128)>, TierError>> = {
+        let mut evicted = Vec::new();
+        let placed: Vec<Result<Option<Placed>, TierError>> = {
             let mut index = self.index();
             entries
                 .iter()
                 .zip(&blocks)
                 .map(|((k, _), b)| {
                     let b = b.as_ref().map_err(Clone::clone)?;
-                    let d = key_digest(k.as_str().as_bytes());
-                    match index.place(d) {
+                    let digest = key_digest(k.as_str().as_bytes());
+                    match index.place(digest, &mut evicted) {
                         Placement::Present => {
                             // A block a restart recovered is reported once written (or read).
-                            if let Some(slot) = index.find(d) {
-                                self.journal(|j| j.stored(slot, b.hash));
+                            if let Some(entry) = index.find(digest) {
+                                self.journal(|j| j.stored(entry, b.hash));
                             }
                             Ok(None)
                         }
-                        Placement::Write { slot, evicted } => {
-                            if evicted {
-                                DiskStats::add(&s.stats.evictions, 1);
-                                self.journal(|j| j.removed(slot));
-                            }
-                            Ok(Some((slot, d)))
-                        }
+                        Placement::Write { entry, slot } => Ok(Some(Placed {
+                            entry,
+                            slot,
+                            digest,
+                        })),
                         Placement::Busy => {
                             DiskStats::add(&s.stats.writes_skipped_busy, 1);
                             Err(TierError::Store {
                                 op: "put",
-                                reason: "every slot of the block's set is busy".into(),
+                                reason: "every slot, or every entry of the block's set, is busy"
+                                    .into(),
                             })
                         }
                     }
                 })
                 .collect()
         };
-        let jobs: Vec<(usize, u64, u128)> = placed
+        let jobs: Vec<(usize, Placed)> = placed
             .iter()
             .enumerate()
             .filter_map(|(i, p)| match p {
-                Ok(Some((slot, d))) => Some((i, *slot, *d)),
+                Ok(Some(p)) => Some((i, *p)),
                 _ => None,
             })
             .collect();
-        let results = self.parallel(&jobs, |&(i, slot, d)| match &blocks[i] {
-            Ok(b) => self.write_slot(slot, d, b),
-            // Placed only when the block resolved.
-            Err(_) => Err(IoKind::Other),
-        });
+        DiskStats::add(&s.stats.evictions, evicted.len() as u64);
+        for &entry in &evicted {
+            self.journal(|j| j.removed(entry));
+            // The scheduler's probe reads the entries: an evicted block's is erased
+            // unless this batch writes another block's there (erased now, before the
+            // writes start, so no erasure lands after that entry).
+            if !jobs.iter().any(|(_, p)| p.entry == entry) {
+                self.clear_entry(entry);
+            }
+        }
+        let results = self.write_placed(&jobs, &blocks);
         let mut out: Vec<Result<(), TierError>> =
             placed.into_iter().map(|p| p.map(|_| ())).collect();
         let mut index = self.index();
-        for (&(i, slot, _), r) in jobs.iter().zip(results) {
-            index.finish_write(slot, r.is_ok());
-            self.outcome(r);
+        for (&(i, p), (r, counts)) in jobs.iter().zip(results) {
+            index.finish_write(p.entry, r.is_ok());
+            if counts || r.is_ok() {
+                self.outcome(r);
+            }
             match r {
                 Ok(()) => {
                     DiskStats::add(&s.stats.writes, 1);
                     DiskStats::add(&s.stats.bytes_written, s.geo.slot_bytes);
                     if let Ok(b) = &blocks[i] {
-                        self.journal(|j| j.stored(slot, b.hash));
+                        self.journal(|j| j.stored(p.entry, b.hash));
                     }
                 }
                 Err(kind) => {
@@ -442,11 +459,11 @@ impl RemoteStore for DiskStore {
         let mut index = self.index();
         for k in keys {
             let d = key_digest(k.as_str().as_bytes());
-            if let Some(slot) = index.find(d) {
+            if let Some(entry) = index.find(d) {
                 DiskStats::add(&s.stats.checksum_failures, 1);
-                index.drop_slot(slot, d);
-                self.clear_entry(slot);
-                self.journal(|j| j.removed(slot));
+                index.drop_entry(entry, d);
+                self.clear_entry(entry);
+                self.journal(|j| j.removed(entry));
             }
         }
         self.update_resident(&index);
