@@ -18,8 +18,8 @@ import pytest
 
 from sched_harness import SchedHarness
 
-#: Four 4 KiB slots (one set) of the harness's 1 KiB blocks, with their index entries.
-FOUR_SLOTS = 4096 + 4 * (4096 + 128)
+#: Four 4 KiB slots of the harness's 1 KiB blocks, with their six index entries (one set).
+FOUR_SLOTS = 4096 + 4 * 4096 + 6 * 128
 
 
 def _disk(tmp_path: Path, **extra: Any) -> dict[str, Any]:

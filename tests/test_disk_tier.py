@@ -331,10 +331,12 @@ def test_injected_disk_faults_cost_misses_never_wrong_tokens(runs: dict[str, Any
     assert d["worker"]["disk_recovered_blocks"] > 0, d["worker"]
     assert d["worker"]["disk_checksum_failures"] > 0, d["worker"]
     assert d["planner"]["remote_fetched_blocks"] == 0, d["planner"]
+    # Every read I/O flips a byte in the middle of what it read: a block read alone is
+    # lost, a run of blocks read with one I/O loses the block with the flip, and the
+    # rest of the run (checked block by block) may be served.
     c = runs["corrupt"]
     assert c["again"] == runs["reference"]
     assert c["worker"]["disk_checksum_failures"] > 0, c["worker"]
-    assert c["planner"]["remote_fetched_blocks"] == 0, c["planner"]
 
 
 KILLED_WRITER = textwrap.dedent(

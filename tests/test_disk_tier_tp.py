@@ -97,8 +97,9 @@ SCRIPT = textwrap.dedent(
 )
 
 #: The CPU-in-front phase's disk per rank: 64 slots of a rank's 64 KiB half of a tiny-model
-#: block, fewer than the blocks the phase writes (the last prompts evict).
-SMALL_DISK = 6 * 2**20
+#: block (and the index file: a 4 KiB header, 96 entries of 128 bytes), fewer than the
+#: blocks the phase writes (the last prompts evict).
+SMALL_DISK = 64 * 2**16 + 4096 + 96 * 128
 
 
 @pytest.fixture(scope="module")

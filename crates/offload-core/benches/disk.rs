@@ -81,14 +81,10 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
     let py_path = dir.join("simple");
     let py_block = (block as u64).div_ceil(4096) * 4096;
     let payload: Vec<u8> = (0..block).map(|i| (i * 31 % 251) as u8).collect();
-    // Twice the blocks: a block's set is chosen by its hash, so a full set evicts before
-    // the whole capacity is used (see `layout`).
-    let mut opts = DiskOptions::new(
-        dir.join("kv.rank_0"),
-        4096 + 2 * n * (slot + 128),
-        block as u64,
-        FP,
-    );
+    // Room for two runs' blocks: each run writes new blocks while the last run's are
+    // still there (the clock hand evicts the oldest).
+    let capacity = capacity_for_blocks(2 * n, block as u64).expect("a capacity");
+    let mut opts = DiskOptions::new(dir.join("kv.rank_0"), capacity, block as u64, FP);
     opts.use_page_cache = page_cache;
     opts.io_threads = io_threads();
     let store = DiskStore::open(&opts).expect("open the tier");

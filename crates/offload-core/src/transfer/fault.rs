@@ -24,7 +24,8 @@ pub struct FaultPlan {
     /// Every job takes this long: its bytes land, and it completes, no sooner than this
     /// after its submission (a slow device, not merely a late report).
     pub delay: Duration,
-    /// Every n-th disk-tier write fails with `ENOSPC` (0: never).
+    /// Every n-th disk-tier write fails with `ENOSPC` (0: never). The disk counts I/Os:
+    /// a run of blocks in consecutive slots is one, and its error fails every block of it.
     pub disk_enospc_every: u32,
     /// Every n-th disk-tier write fails with `EIO` (0: never).
     pub disk_write_eio_every: u32,
@@ -32,7 +33,8 @@ pub struct FaultPlan {
     pub disk_read_eio_every: u32,
     /// Every n-th disk-tier read returns fewer bytes than asked (0: never).
     pub disk_short_read_every: u32,
-    /// Every n-th disk-tier read has one byte flipped, as a bad sector would (0: never).
+    /// Every n-th disk-tier read has one byte flipped, as a bad sector would (0: never):
+    /// the byte in the middle of what the I/O read, so one block of a run.
     pub disk_corrupt_read_every: u32,
 }
 
