@@ -601,7 +601,7 @@ def disk_tier_table() -> str:
         f"{len(direct)}; writes >= 0.85x raw: {len(wr)} of {len(direct)}. "
         + (
             "A batch's blocks go to consecutive slots, so blocks read in the order they "
-            "were stored move in runs of up to 1 MiB, one I/O each; read in shuffled order, "
+            "were stored move in runs of up to 4 MiB, one I/O each; read in shuffled order, "
             'one slot per call: the column "raw, the tier\'s pattern" reads slot-sized calls '
             f"in shuffled order, {d.get('io_threads', 8):.0f} in flight as the tier's I/O "
             "threads, and nothing else (in parentheses: the tier's shuffled read against "

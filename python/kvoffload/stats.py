@@ -147,7 +147,7 @@ COUNTER_SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "disk_evictions": (
         "vllm:kv_offload_disk_evicted_blocks",
         (),
-        "Disk blocks evicted (LRU) to make room, summed over ranks.",
+        "Disk blocks evicted (CLOCK, an approximation of LRU) to make room, summed over ranks.",
     ),
     "disk_errors_enospc": (
         "vllm:kv_offload_disk_io_errors",

@@ -123,8 +123,12 @@ fn injected_read_faults_are_unfilled_and_counted() {
         let store = open(&s, ODD, page_cache, faults);
         let mut t = tier(&store);
         assert_eq!(store_blocks(&mut t, 0..6, ODD), 6);
-        // Reads 3 (EIO), 4 (short) and 5 (a flipped byte) fail; the rest are exact.
-        let got = fill_blocks(&mut t, &[0, 1, 2, 3, 4], ODD, &CUTS);
+        // One block a fetch, so one read each (a fetch of consecutive blocks is one read
+        // with O_DIRECT): reads 3 (EIO), 4 (short) and 5 (a flipped byte) fail; the rest
+        // are exact.
+        let got: Vec<Option<bool>> = (0..5)
+            .flat_map(|i| fill_blocks(&mut t, &[i], ODD, &CUTS))
+            .collect();
         assert_eq!(
             got,
             [Some(true), Some(true), None, None, None],
@@ -387,4 +391,23 @@ fn a_fault_in_a_run_costs_the_blocks_it_touched_not_the_run() {
     let snap = store.snapshot();
     assert_eq!((snap.resident_blocks, snap.errors_enospc), (0, 1));
     assert_eq!(fill_aligned(&mut store, &ids, BLOCK), [false; 8]);
+    // Blocks that do not fill their slots, in uneven slices: a run all the same, through
+    // aligned buffers, the flipped byte costing the block it landed in alone.
+    let s = Scratch::new("fill-runs-odd");
+    let store = open(&s, ODD, false, "disk_corrupt_read_every=1");
+    let mut t = tier(&store);
+    assert_eq!(store_blocks(&mut t, 0..6, ODD), 6);
+    let snap = store.snapshot();
+    assert_eq!((snap.bounced_writes, snap.errors_eio), (6, 0));
+    let first = store.offset_of(&key(0)).unwrap();
+    assert_eq!(
+        store.offset_of(&key(5)),
+        Some(first + 5 * store.slot_bytes())
+    );
+    // The middle byte of six slots is the first of the fourth.
+    let middle = 3;
+    let got = fill_blocks(&mut t, &[0, 1, 2, 3, 4, 5], ODD, &CUTS);
+    let want: Vec<Option<bool>> = (0..6).map(|i| (i != middle).then_some(true)).collect();
+    assert_eq!(got, want, "only block {middle} is damaged");
+    assert_eq!(store.snapshot().checksum_failures, 1);
 }

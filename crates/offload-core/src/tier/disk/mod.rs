@@ -57,6 +57,7 @@ mod options;
 mod reader;
 mod reads;
 mod recovery;
+mod runs;
 mod slot_io;
 mod source;
 mod stats;

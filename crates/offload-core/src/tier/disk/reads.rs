@@ -13,18 +13,14 @@
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
-use super::error::IoKind;
 use super::index::Location;
 use super::layout::key_digest;
+use super::runs::{consecutive_runs, RunResults};
 use super::stats::DiskStats;
 use super::store::DiskStore;
 use crate::tier::fill::through_get;
 use crate::tier::value::{encode, stored_hash, ValueError};
 use crate::tier::{BlockFill, Fill, LayoutFingerprint, RemoteKey, TierError};
-
-/// A result per block of a run, and whether the run moved with one I/O (whose error,
-/// then, every block of it shares).
-pub(super) type RunResults<T> = (Vec<Result<T, IoKind>>, bool);
 
 /// A block a batch reads: its position among the batch's keys, its key digest, where
 /// it is.
@@ -37,15 +33,15 @@ pub(super) struct Wanted {
 
 impl DiskStore {
     /// Reads the blocks of `keys` with `read` (on the I/O threads, a run of blocks in
-    /// consecutive slots at a time, at most `run_blocks` long; it returns a result per
-    /// block of the run, and whether the run was one I/O) and settles each: `Ok(Some)` a
+    /// consecutive slots at a time, as long as `runs` says where `coalesce`; it returns a
+    /// result per block of the run, and whether the run was one I/O) and settles each: `Ok(Some)` a
     /// good block (its hash, by `hash_of`, to the journal), `Ok(None)` a block that failed
     /// its checks (counted, its slot freed and its entry cleared), `Err` a failed I/O
     /// (counted, once per I/O, towards disabling the tier).
     pub(super) fn read_batch<R: Send>(
         &self,
         keys: &[RemoteKey],
-        run_blocks: usize,
+        coalesce: bool,
         read: impl Fn(&[Wanted]) -> RunResults<Option<R>> + Sync,
         hash_of: impl Fn(&R) -> Option<&[u8]>,
     ) -> Vec<Result<Option<R>, TierError>> {
@@ -63,7 +59,12 @@ impl DiskStore {
                 })
                 .collect()
         };
-        let runs = consecutive_runs(&found, run_blocks, |w| w.at.slot);
+        let longest = if coalesce {
+            self.run_len(found.len())
+        } else {
+            1
+        };
+        let runs = consecutive_runs(&found, longest, |w| w.at.slot);
         let per_run = self.parallel(&runs, |r| read(&found[r.clone()]));
         let s = &self.shared;
         let mut index = self.index();
@@ -121,7 +122,7 @@ impl DiskStore {
         let block_bytes = self.shared.geo.block_bytes as usize;
         self.read_batch(
             keys,
-            1,
+            false,
             |run| {
                 let results = run
                     .iter()
@@ -138,7 +139,7 @@ impl DiskStore {
     }
 
     /// `get_into`: every block read straight into its destination, a run of blocks in
-    /// consecutive slots with one I/O where it can (`slot_io`). Destinations that do not
+    /// consecutive slots with one I/O (`runs.rs`). Destinations that do not
     /// take this store's blocks (another payload length than the slots') go through
     /// `get`, which names the mismatch as it does for `fetch`.
     pub(super) fn fill_batch(
@@ -156,7 +157,7 @@ impl DiskStore {
         let cells: Vec<Mutex<&mut BlockFill<'_, '_>>> = blocks.iter_mut().map(Mutex::new).collect();
         let reads = self.read_batch(
             keys,
-            self.run_blocks(),
+            true,
             |run| {
                 let mut guards: Vec<_> = run
                     .iter()
@@ -184,43 +185,5 @@ impl DiskStore {
                 })
             })
             .collect()
-    }
-}
-
-/// `items` (in order) cut into runs of at most `max` whose slots (`slot_of`) follow each
-/// other, as index ranges.
-pub(super) fn consecutive_runs<T>(
-    items: &[T],
-    max: usize,
-    slot_of: impl Fn(&T) -> u64,
-) -> Vec<std::ops::Range<usize>> {
-    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
-    for (i, item) in items.iter().enumerate() {
-        match runs.last_mut() {
-            Some(r)
-                if r.len() < max.max(1)
-                    && slot_of(&items[r.end - 1]).checked_add(1) == Some(slot_of(item)) =>
-            {
-                r.end = i + 1;
-            }
-            _ => runs.push(i..i + 1),
-        }
-    }
-    runs
-}
-
-#[cfg(test)]
-mod tests {
-    use super::consecutive_runs;
-
-    #[test]
-    fn runs_follow_consecutive_slots_up_to_their_longest() {
-        let slots = [4u64, 5, 6, 9, 10, 3, 4, 5, 6, 7, u64::MAX, 0];
-        assert_eq!(
-            consecutive_runs(&slots, 3, |&s| s),
-            [0..3, 3..5, 5..8, 8..10, 10..11, 11..12]
-        );
-        assert_eq!(consecutive_runs(&slots, 1, |&s| s).len(), slots.len());
-        assert!(consecutive_runs(&[] as &[u64], 4, |&s| s).is_empty());
     }
 }

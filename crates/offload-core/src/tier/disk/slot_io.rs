@@ -19,23 +19,16 @@ use super::error::IoKind;
 use super::file;
 use super::index::Location;
 use super::layout::{Entry, PayloadSum, ALIGN, ENTRY_BYTES};
-use super::reads::{consecutive_runs, RunResults, Wanted};
 use super::recovery::read_entry;
 use super::source::Block;
 use super::stats::DiskStats;
 use super::store::{DiskStore, Placed};
 use crate::tier::value::VERIFY_PIECE;
-use crate::tier::TierError;
 
 /// Bytes read from (or written to) the page cache per `preadv` (`pwritev`), summed while
 /// they are in the core's cache (a 2 MiB block summed apart from one `preadv` of all of
 /// it is read from memory a second time).
 const SUM_GROUP: usize = 256 << 10;
-
-/// Most bytes one direct read or write of a run of consecutive slots moves: runs this
-/// long keep the device busy with large I/Os while a batch still spreads over several
-/// I/O threads.
-const RUN_BYTES: u64 = 1 << 20;
 
 /// Fewest bytes of a slice (but the last) that a direct transfer takes as it is. Smaller
 /// ones go through the bounce buffer: measured on a virtio disk (ext4, the kernel asking
@@ -69,14 +62,15 @@ fn direct_split(parts: &[(*const u8, usize)], align: DioAlign) -> Option<DirectS
 
 /// Whether a direct transfer takes every one of `parts` as it is, the last one too (no
 /// tail through scratch): then blocks in consecutive slots move as one I/O.
-fn whole_direct(parts: &[(*const u8, usize)], align: DioAlign) -> bool {
+pub(super) fn whole_direct(parts: &[(*const u8, usize)], align: DioAlign) -> bool {
     matches!(
         direct_split(parts, align),
         Some(DirectSplit { tail: 0, .. })
     )
 }
 
-fn shape<P: AsRef<[u8]>>(parts: &[P]) -> Vec<(*const u8, usize)> {
+/// The addresses and lengths of `parts`.
+pub(super) fn shape<P: AsRef<[u8]>>(parts: &[P]) -> Vec<(*const u8, usize)> {
     parts
         .iter()
         .map(|p| (p.as_ref().as_ptr(), p.as_ref().len()))
@@ -85,7 +79,7 @@ fn shape<P: AsRef<[u8]>>(parts: &[P]) -> Vec<(*const u8, usize)> {
 
 /// Copies `from` over `parts` in order (the caller checked the lengths agree), summing
 /// each piece into `sum` while it is in cache.
-fn copy_summed(mut from: &[u8], parts: &mut [&mut [u8]], sum: &mut PayloadSum) {
+pub(super) fn copy_summed(mut from: &[u8], parts: &mut [&mut [u8]], sum: &mut PayloadSum) {
     for part in parts.iter_mut() {
         let (src, rest) = from.split_at(part.len());
         from = rest;
@@ -99,7 +93,7 @@ fn copy_summed(mut from: &[u8], parts: &mut [&mut [u8]], sum: &mut PayloadSum) {
 impl DiskStore {
     /// The entry at `at` if it names the block of `digest` in `at.slot` with a payload
     /// of this geometry's length; `None` for any other, torn or unreadable entry.
-    fn entry_for(&self, at: Location, digest: u128) -> Option<Entry> {
+    pub(super) fn entry_for(&self, at: Location, digest: u128) -> Option<Entry> {
         let s = &self.shared;
         let mut raw = [0u8; ENTRY_BYTES];
         read_entry(&s.idx, &s.geo, at.entry, &mut raw).ok()?;
@@ -145,71 +139,6 @@ impl DiskStore {
             }
         }
         Ok((sum.finish() == entry.payload_sum).then_some(entry))
-    }
-
-    /// Blocks one I/O may move together when their slots follow each other: 1 unless
-    /// I/O is direct and a block fills its slot (no padding between two blocks' bytes).
-    pub(super) fn run_blocks(&self) -> usize {
-        let s = &self.shared;
-        if !s.data.is_direct() || s.geo.slot_bytes != s.geo.block_bytes {
-            return 1;
-        }
-        (RUN_BYTES / s.geo.slot_bytes).max(1) as usize
-    }
-
-    /// Reads a run of blocks in consecutive slots (`run`, their destinations `parts`)
-    /// with one `preadv` straight into their slices, then checks each as
-    /// [`Self::read_slot_into`] does; a result per block. A run of one block, or one
-    /// with a block whose slices a direct transfer cannot take whole, goes block by
-    /// block. A failed read fails every block of the run.
-    pub(super) fn read_run_into(
-        &self,
-        run: &[Wanted],
-        parts: &mut [&mut [&mut [u8]]],
-    ) -> RunResults<Option<Entry>> {
-        let s = &self.shared;
-        let align = s.data.align();
-        if run.len() < 2 || !parts.iter().all(|p| whole_direct(&shape(p), align)) {
-            let results = run
-                .iter()
-                .zip(parts.iter_mut())
-                .map(|(w, p)| self.read_slot_into(w.at, w.digest, p))
-                .collect();
-            return (results, false);
-        }
-        let entries: Vec<Option<Entry>> =
-            run.iter().map(|w| self.entry_for(w.at, w.digest)).collect();
-        let read = {
-            let mut pieces: Vec<&mut [u8]> = parts
-                .iter_mut()
-                .flat_map(|p| p.iter_mut().map(|x| &mut **x))
-                .collect();
-            let offset = s.geo.data_offset(run[0].at.slot);
-            s.data
-                .read_parts(&mut pieces, offset, &s.faults, usize::MAX, |_| {})
-        };
-        if let Err(kind) = read {
-            return (run.iter().map(|_| Err(kind)).collect(), true);
-        }
-        DiskStats::add(&s.stats.direct_reads, run.len() as u64);
-        let results = entries
-            .into_iter()
-            .zip(run)
-            .zip(parts.iter())
-            .map(|((entry, w), p)| {
-                let Some(entry) = entry else {
-                    return Ok(None);
-                };
-                // `O_DIRECT` leaves the bytes in memory, not in cache: one pass after the
-                // read.
-                let mut sum = PayloadSum::new(w.digest);
-                for piece in p.iter() {
-                    sum.update(piece);
-                }
-                Ok((sum.finish() == entry.payload_sum).then_some(entry))
-            })
-            .collect();
-        (results, true)
     }
 
     /// One `preadv` straight into `parts` (split as `split` says).
@@ -276,7 +205,10 @@ impl DiskStore {
             .buffers
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if pool.len() < 2 * self.shared.io_threads {
+        // Every I/O thread may bounce a whole run at once (`runs.rs`); twice the threads
+        // at least.
+        let keep = self.shared.io_threads * self.run_len(usize::MAX).max(2);
+        if pool.len() < keep {
             pool.push(buf);
         }
     }
@@ -316,7 +248,12 @@ impl DiskStore {
 
     /// Writes the entry of a block whose payload (summing to `payload_sum`) is in its
     /// slot: it goes after the data, as it commits the slot (see `layout`).
-    fn write_entry(&self, at: &Placed, payload_sum: u64, hash: &[u8]) -> Result<(), IoKind> {
+    pub(super) fn write_entry(
+        &self,
+        at: &Placed,
+        payload_sum: u64,
+        hash: &[u8],
+    ) -> Result<(), IoKind> {
         use std::os::unix::fs::FileExt;
         let s = &self.shared;
         let entry = Entry::new(
@@ -330,89 +267,6 @@ impl DiskStore {
         s.idx
             .write_all_at(&entry.encode(), s.geo.entry_offset(at.entry))
             .map_err(|e| file::classify(&e))
-    }
-
-    /// Writes a run of blocks placed in consecutive slots with one `pwritev` straight
-    /// from their slices, then their entries; a result per block. A run with a block
-    /// whose slices a direct transfer cannot take whole (or that did not resolve) goes
-    /// block by block. A failed write fails every block of the run.
-    fn write_run(
-        &self,
-        run: &[(usize, Placed)],
-        blocks: &[Result<Block<'_>, TierError>],
-    ) -> RunResults<()> {
-        let s = &self.shared;
-        let align = s.data.align();
-        let whole: Option<Vec<&Block<'_>>> = run
-            .iter()
-            .map(|(i, _)| blocks[*i].as_ref().ok())
-            .collect::<Option<Vec<_>>>()
-            .filter(|bs| {
-                bs.len() > 1 && bs.iter().all(|b| whole_direct(&shape(&b.payload), align))
-            });
-        let Some(whole) = whole else {
-            let results = run
-                .iter()
-                .map(|(i, at)| match &blocks[*i] {
-                    Ok(b) => self.write_slot(at, b),
-                    // Placed only when the block resolved.
-                    Err(_) => Err(IoKind::Other),
-                })
-                .collect();
-            return (results, false);
-        };
-        let sums: Vec<u64> = whole
-            .iter()
-            .zip(run)
-            .map(|(b, (_, at))| {
-                let mut sum = PayloadSum::new(at.digest);
-                for p in &b.payload {
-                    sum.update(p);
-                }
-                sum.finish()
-            })
-            .collect();
-        let pieces: Vec<&[u8]> = whole
-            .iter()
-            .flat_map(|b| b.payload.iter().copied())
-            .collect();
-        let offset = s.geo.data_offset(run[0].1.slot);
-        if let Err(kind) = s
-            .data
-            .write_parts(&pieces, offset, &s.faults, usize::MAX, |_| {})
-        {
-            return (run.iter().map(|_| Err(kind)).collect(), true);
-        }
-        DiskStats::add(&s.stats.direct_writes, run.len() as u64);
-        let results = run
-            .iter()
-            .zip(whole)
-            .zip(sums)
-            .map(|(((_, at), b), sum)| self.write_entry(at, sum, b.hash))
-            .collect();
-        (results, true)
-    }
-
-    /// Writes each placed block (`jobs`: its position in `blocks` and where it goes) on
-    /// the I/O threads, a run of blocks in consecutive slots with one I/O where it can; a
-    /// result per job, in order, and whether its error (if any) is to be counted: the
-    /// blocks of a run written with one I/O share its error, counted once.
-    pub(super) fn write_placed(
-        &self,
-        jobs: &[(usize, Placed)],
-        blocks: &[Result<Block<'_>, TierError>],
-    ) -> Vec<(Result<(), IoKind>, bool)> {
-        let runs = consecutive_runs(jobs, self.run_blocks(), |(_, at)| at.slot);
-        self.parallel(&runs, |r| self.write_run(&jobs[r.clone()], blocks))
-            .into_iter()
-            .flat_map(|(results, one_io)| {
-                let n = results.len();
-                results
-                    .into_iter()
-                    .enumerate()
-                    .map(move |(k, r)| (r, !one_io || k + 1 == n))
-            })
-            .collect()
     }
 
     /// One `pwritev` straight from `payload` (split as `split` says), the last part's

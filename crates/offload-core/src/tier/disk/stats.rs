@@ -56,9 +56,10 @@ disk_counters! {
     capacity_blocks,
     /// Bytes reserved for the files (gauge).
     capacity_bytes,
-    /// Blocks evicted to make room (LRU within a set).
+    /// Blocks evicted to make room (the clock hand's, or a full set's least recently
+    /// used).
     evictions,
-    /// Writes skipped: every slot of the block's set was busy.
+    /// Writes skipped: every slot, or every entry of the block's set, was busy.
     writes_skipped_busy,
     /// Blocks whose bytes failed a check on read: misses, slot freed.
     checksum_failures,

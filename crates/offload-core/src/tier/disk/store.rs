@@ -328,10 +328,10 @@ impl DiskStore {
             .iter()
             .map(|(_, v)| v.block(fingerprint, s.geo.block_bytes as usize))
             .collect();
-        let mut evicted = Vec::new();
-        let placed: Vec<Result<Option<Placed>, TierError>> = {
+        let (placed, jobs) = {
             let mut index = self.index();
-            entries
+            let mut evicted = Vec::new();
+            let placed: Vec<Result<Option<Placed>, TierError>> = entries
                 .iter()
                 .zip(&blocks)
                 .map(|((k, _), b)| {
@@ -360,26 +360,27 @@ impl DiskStore {
                         }
                     }
                 })
-                .collect()
-        };
-        let jobs: Vec<(usize, Placed)> = placed
-            .iter()
-            .enumerate()
-            .filter_map(|(i, p)| match p {
-                Ok(Some(p)) => Some((i, *p)),
-                _ => None,
-            })
-            .collect();
-        DiskStats::add(&s.stats.evictions, evicted.len() as u64);
-        for &entry in &evicted {
-            self.journal(|j| j.removed(entry));
-            // The scheduler's probe reads the entries: an evicted block's is erased
-            // unless this batch writes another block's there (erased now, before the
-            // writes start, so no erasure lands after that entry).
-            if !jobs.iter().any(|(_, p)| p.entry == entry) {
-                self.clear_entry(entry);
+                .collect();
+            let jobs: Vec<(usize, Placed)> = placed
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| match p {
+                    Ok(Some(p)) => Some((i, *p)),
+                    _ => None,
+                })
+                .collect();
+            DiskStats::add(&s.stats.evictions, evicted.len() as u64);
+            for &entry in &evicted {
+                self.journal(|j| j.removed(entry));
+                // The scheduler's probe reads the entries: an evicted block's is erased,
+                // unless this batch writes another block's there, under the index's lock
+                // (so before any later batch may place a block in it and write its entry).
+                if !jobs.iter().any(|(_, p)| p.entry == entry) {
+                    self.clear_entry(entry);
+                }
             }
-        }
+            (placed, jobs)
+        };
         let results = self.write_placed(&jobs, &blocks);
         let mut out: Vec<Result<(), TierError>> =
             placed.into_iter().map(|p| p.map(|_| ())).collect();
