@@ -550,18 +550,24 @@ def _sizes(configs: list[dict[str, Any]]) -> str:
 def disk_tier_table() -> str:
     d = load_json("benchmarks/disk_tier.json")
     configs, ck = d["configs"], d["checksum"]
+    clock = d.get("placement") == "clock"
     rows = [
-        "| block | I/O | raw sequential read | tier read, in order | shuffled | "
-        "raw, the tier's pattern | Simple's loop (Python) | tier vs Simple's loop | "
+        "| block | I/O | raw sequential read | tier read, in order | "
+        + ("raw, in order as the tier reads | " if clock else "")
+        + "shuffled | "
+        + ("raw, shuffled as the tier reads | " if clock else "raw, the tier's pattern | ")
+        + "Simple's loop (Python) | tier vs Simple's loop | "
         "checksum share of a read | raw write | tier write |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if clock else ""),
     ]
     for c in configs:
         m, r = c["medians"], c["ratios"]
         rows.append(
             f"| {_size(c['block_bytes'])} | {_io(c)} | "
             f"{m['raw_read_gbps']:.2f} | {m['tier_read_seq_gbps']:.2f} "
-            f"({r['read_seq_vs_raw']:.2f}x) | {m['tier_read_shuffled_gbps']:.2f} "
+            f"({r['read_seq_vs_raw']:.2f}x) | "
+            + (f"{_runs_pattern(c)} | " if clock else "")
+            + f"{m['tier_read_shuffled_gbps']:.2f} "
             f"({r['read_shuffled_vs_raw']:.2f}x) | {_pattern(c, d.get('placement'))} | "
             f"{m['python_simple_read_gbps']:.2f} | "
             f"**{r['read_vs_python_simple']:.2f}x** | "
@@ -601,12 +607,13 @@ def disk_tier_table() -> str:
         f"{len(direct)}; writes >= 0.85x raw: {len(wr)} of {len(direct)}. "
         + (
             "A batch's blocks go to consecutive slots, so blocks read in the order they "
-            "were stored move in runs of up to 4 MiB, one I/O each; read in shuffled order, "
-            'one slot per call: the column "raw, the tier\'s pattern" reads slot-sized calls '
-            f"in shuffled order, {d.get('io_threads', 8):.0f} in flight as the tier's I/O "
-            "threads, and nothing else (in parentheses: the tier's shuffled read against "
-            "it). Where it is below the sequential read, the device, not the tier, takes "
-            "the difference."
+            "were stored move in runs of consecutive slots, one I/O a run (at most 4 MiB, and "
+            f"short enough to keep {d.get('io_threads', 8):.0f} in flight, as many as the "
+            "tier's I/O threads); blocks asked for in another order, one slot per I/O. The "
+            'columns "raw, in order as the tier reads" and "raw, shuffled as the tier reads" '
+            "make the same I/Os with nothing else (in parentheses: the tier's read against "
+            "them). Where they are below the sequential read (one 4 MiB read at a time), "
+            "the device, not the tier, takes the difference."
             if d.get("placement") == "clock"
             else "A block sits in the set its hash picks, so the tier reads one slot per "
             "call wherever a prompt's blocks follow each other: the column \"raw, the "
@@ -685,6 +692,14 @@ def disk_tier_table() -> str:
             f"about {per * 5e6:.1f} s for 5 M blocks."
         )
     return f"{head}\n\n" + "\n".join(rows) + "\n\n" + "\n".join(goals) + "\n"
+
+
+def _runs_pattern(c: dict[str, Any]) -> str:
+    """The raw read of the tier's in-order runs, and the tier's in-order read against it."""
+    got = c["medians"].get("raw_read_runs_gbps")
+    if got is None:
+        return "—"
+    return f"{got:.2f} ({c['ratios']['read_seq_vs_raw_runs']:.2f}x)"
 
 
 def _pattern(c: dict[str, Any], placement: str | None) -> str:

@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use common::Rng;
 use disk_support::{
-    env_u64, hash, median, python_simple_loop, raw, raw_slots, shuffled, thread_cpu_seconds, tier,
+    env_u64, hash, median, python_simple_loop, raw, raw_pieces, shuffled, thread_cpu_seconds, tier,
     tier_read, tier_write, CpuBlocks, Obj, RAW_CHUNK,
 };
 use offload_core::tier::disk::{
@@ -43,7 +43,7 @@ use offload_core::tier::{LayoutFingerprint, FETCH_BATCH};
 const RUNS: usize = 5;
 const FP: LayoutFingerprint = LayoutFingerprint(0xbe9c);
 
-const NAMES: [&str; 7] = [
+const NAMES: [&str; 8] = [
     "raw_write",
     "tier_write",
     "raw_read",
@@ -51,6 +51,7 @@ const NAMES: [&str; 7] = [
     "tier_read_shuffled",
     "python_simple_read",
     "raw_read_slots",
+    "raw_read_runs",
 ];
 
 /// Blocks per fetch and per store: `KVOFFLOAD_BENCH_BATCH`, the worker's
@@ -72,7 +73,7 @@ fn io_threads() -> usize {
 }
 
 /// Every figure of one block size and I/O mode.
-fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f64; 7]) {
+fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f64; 8]) {
     let batch = batch();
     let n = (total / block as u64).max(batch as u64);
     let slot = (block as u64).div_ceil(4096) * 4096;
@@ -88,6 +89,8 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
     opts.use_page_cache = page_cache;
     opts.io_threads = io_threads();
     let store = DiskStore::open(&opts).expect("open the tier");
+    // What one I/O of the tier's in-order reads moves, for the raw read at that pattern.
+    let run_bytes = store.run_blocks(batch) as u64 * slot;
     let mut t = tier(&store);
     let cpu = CpuBlocks::new(block, batch as u32);
     for id in 0..batch as u32 {
@@ -118,14 +121,18 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
             .collect();
         runs[4].push(tier_read(&mut t, &cpu, &order, block, batch));
         runs[5].push(python_simple_loop(&py_path, py_block, n, direct));
-        runs[6].push(raw_slots(&raw_path, raw_len, slot, opts.io_threads, direct));
+        let threads = opts.io_threads;
+        runs[6].push(raw_pieces(&raw_path, raw_len, slot, threads, direct, true));
+        runs[7].push(raw_pieces(
+            &raw_path, raw_len, run_bytes, threads, direct, false,
+        ));
     }
     let direct_io = store.is_direct();
     drop(t);
     drop(store);
     let _ = std::fs::remove_file(&raw_path);
     let _ = std::fs::remove_file(&py_path);
-    let mut med = [0.0; 7];
+    let mut med = [0.0; 8];
     let mut medians = Obj::default();
     let mut all = Obj::default();
     for (i, (name, v)) in NAMES.iter().zip(runs.iter_mut()).enumerate() {
@@ -140,7 +147,8 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
         .num("read_vs_python_simple", med[3] / med[5])
         .num("read_shuffled_vs_python_simple", med[4] / med[5])
         .num("read_seq_vs_raw_slots", med[3] / med[6])
-        .num("read_shuffled_vs_raw_slots", med[4] / med[6]);
+        .num("read_shuffled_vs_raw_slots", med[4] / med[6])
+        .num("read_seq_vs_raw_runs", med[3] / med[7]);
     let out = Obj::default()
         .num("block_bytes", block as f64)
         .text("mode", if page_cache { "page_cache" } else { "direct" })

@@ -100,33 +100,47 @@ pub(crate) fn raw(path: &Path, len: u64, write: bool, direct: bool) -> f64 {
     len as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
-/// GB/s of reads of `slot`-byte pieces of `path` in a shuffled order, `threads` in flight
-/// (as the tier spreads a batch over its I/O threads), nothing copied or checked: what
-/// the device gives the tier's access pattern. Blocks sit in the sets their hashes pick,
-/// so the tier never reads neighbouring slots in one call, however a prompt's blocks
-/// follow each other; on a device whose speed depends on the call's size this, not the
-/// 4 MiB sequential read, bounds the tier.
-pub(crate) fn raw_slots(path: &Path, len: u64, slot: u64, threads: usize, direct: bool) -> f64 {
+/// GB/s of reads of `piece`-byte pieces of `path`, in order or shuffled, `threads` in
+/// flight (as the tier spreads a batch over its I/O threads), nothing copied or checked:
+/// what the device gives the tier's access pattern. The tier reads a batch stored
+/// together as runs of consecutive slots, one I/O a run, and blocks asked for in another
+/// order one slot at a time; on a device whose speed depends on the call's size or on
+/// how many calls are in flight, these, not the 4 MiB sequential read, bound the tier.
+pub(crate) fn raw_pieces(
+    path: &Path,
+    len: u64,
+    piece: u64,
+    threads: usize,
+    direct: bool,
+    shuffle: bool,
+) -> f64 {
     let f = OpenOptions::new()
         .read(true)
         .custom_flags(if direct { libc::O_DIRECT } else { 0 })
         .open(path)
         .expect("open raw file");
-    let order = shuffled(len / slot, 11);
+    let count = len / piece;
+    let order: Vec<u64> = if shuffle {
+        shuffled(count, 11)
+    } else {
+        (0..count).collect()
+    };
     let next = AtomicUsize::new(0);
     let t = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..threads.max(1) {
             s.spawn(|| {
-                let mut buf = Aligned::new(slot as usize);
+                let mut buf = Aligned::new(piece as usize);
                 while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    let n = f.read_at(buf.buf(slot as usize), i * slot).expect("raw io");
-                    assert_eq!(n, slot as usize, "raw io short");
+                    let n = f
+                        .read_at(buf.buf(piece as usize), i * piece)
+                        .expect("raw io");
+                    assert_eq!(n, piece as usize, "raw io short");
                 }
             });
         }
     });
-    (order.len() as u64 * slot) as f64 / t.elapsed().as_secs_f64() / 1e9
+    (order.len() as u64 * piece) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
 /// GB/s of the Python copy of Simple's read loop over `n` blocks of `path`.

@@ -60,7 +60,7 @@ impl DiskStore {
                 .collect()
         };
         let longest = if coalesce {
-            self.run_len(found.len())
+            self.run_blocks(found.len())
         } else {
             1
         };

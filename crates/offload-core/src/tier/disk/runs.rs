@@ -64,9 +64,10 @@ enum Side {
 }
 
 impl DiskStore {
-    /// The longest run for a batch of `blocks` blocks: 1 with the page cache; else at
-    /// most [`RUN_BYTES`], and no longer than spreads the batch over every I/O thread.
-    pub(super) fn run_len(&self, blocks: usize) -> usize {
+    /// Blocks one I/O moves of a batch of `blocks` blocks in consecutive slots (a batch
+    /// stored together, read back in order): 1 with the page cache; else at most 4 MiB
+    /// of them, and no more than spreads the batch over every I/O thread.
+    pub fn run_blocks(&self, blocks: usize) -> usize {
         let s = &self.shared;
         if !s.data.is_direct() {
             return 1;
@@ -255,7 +256,7 @@ impl DiskStore {
         jobs: &[(usize, Placed)],
         blocks: &[Result<Block<'_>, TierError>],
     ) -> Vec<(Result<(), IoKind>, bool)> {
-        let runs = consecutive_runs(jobs, self.run_len(jobs.len()), |(_, at)| at.slot);
+        let runs = consecutive_runs(jobs, self.run_blocks(jobs.len()), |(_, at)| at.slot);
         self.parallel(&runs, |r| self.write_run(&jobs[r.clone()], blocks))
             .into_iter()
             .flat_map(|(results, one_io)| {

@@ -207,7 +207,7 @@ impl DiskStore {
             .unwrap_or_else(PoisonError::into_inner);
         // Every I/O thread may bounce a whole run at once (`runs.rs`); twice the threads
         // at least.
-        let keep = self.shared.io_threads * self.run_len(usize::MAX).max(2);
+        let keep = self.shared.io_threads * self.run_blocks(usize::MAX).max(2);
         if pool.len() < keep {
             pool.push(buf);
         }
