@@ -13,23 +13,13 @@
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
-use super::index::Location;
 use super::layout::key_digest;
-use super::runs::{consecutive_runs, RunResults};
+use super::runs::{consecutive_runs, RunResults, Wanted};
 use super::stats::DiskStats;
 use super::store::DiskStore;
 use crate::tier::fill::through_get;
 use crate::tier::value::{encode, stored_hash, ValueError};
 use crate::tier::{BlockFill, Fill, LayoutFingerprint, RemoteKey, TierError};
-
-/// A block a batch reads: its position among the batch's keys, its key digest, where
-/// it is.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Wanted {
-    pub(super) i: usize,
-    pub(super) digest: u128,
-    pub(super) at: Location,
-}
 
 impl DiskStore {
     /// Reads the blocks of `keys` with `read` (on the I/O threads, a run of blocks in

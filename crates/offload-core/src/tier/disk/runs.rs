@@ -19,8 +19,8 @@ use std::ops::Range;
 
 use super::aligned::AlignedBuf;
 use super::error::IoKind;
+use super::index::Location;
 use super::layout::{Entry, PayloadSum};
-use super::reads::Wanted;
 use super::slot_io::{copy_summed, shape, whole_direct};
 use super::source::Block;
 use super::stats::DiskStats;
@@ -55,6 +55,15 @@ pub(super) fn consecutive_runs<T>(
         }
     }
     runs
+}
+
+/// A block a batch reads: its position among the batch's keys, its key digest, where
+/// it is.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Wanted {
+    pub(super) i: usize,
+    pub(super) digest: u128,
+    pub(super) at: Location,
 }
 
 /// Where one block of a run goes in the I/O: its own slices, or a bounce buffer.
