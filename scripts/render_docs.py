@@ -550,15 +550,12 @@ def _sizes(configs: list[dict[str, Any]]) -> str:
 def disk_tier_table() -> str:
     d = load_json("benchmarks/disk_tier.json")
     configs, ck = d["configs"], d["checksum"]
-    clock = d.get("placement") == "clock"
     rows = [
         "| block | I/O | raw sequential read | tier read, in order | "
-        + ("raw, in order as the tier reads | " if clock else "")
-        + "shuffled | "
-        + ("raw, shuffled as the tier reads | " if clock else "raw, the tier's pattern | ")
-        + "Simple's loop (Python) | tier vs Simple's loop | "
+        "raw, in order as the tier reads | shuffled | raw, shuffled as the tier reads | "
+        "Simple's loop (Python) | tier vs Simple's loop | "
         "checksum share of a read | raw write | tier write |",
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if clock else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in configs:
         m, r = c["medians"], c["ratios"]
@@ -566,9 +563,9 @@ def disk_tier_table() -> str:
             f"| {_size(c['block_bytes'])} | {_io(c)} | "
             f"{m['raw_read_gbps']:.2f} | {m['tier_read_seq_gbps']:.2f} "
             f"({r['read_seq_vs_raw']:.2f}x) | "
-            + (f"{_runs_pattern(c)} | " if clock else "")
-            + f"{m['tier_read_shuffled_gbps']:.2f} "
-            f"({r['read_shuffled_vs_raw']:.2f}x) | {_pattern(c, d.get('placement'))} | "
+            f"{m['raw_read_runs_gbps']:.2f} ({r['read_seq_vs_raw_runs']:.2f}x) | "
+            f"{m['tier_read_shuffled_gbps']:.2f} ({r['read_shuffled_vs_raw']:.2f}x) | "
+            f"{m['raw_read_slots_gbps']:.2f} ({r['read_shuffled_vs_raw_slots']:.2f}x) | "
             f"{m['python_simple_read_gbps']:.2f} | "
             f"**{r['read_vs_python_simple']:.2f}x** | "
             f"{_checksum_share(c, ck):.0%} | "
@@ -605,23 +602,14 @@ def disk_tier_table() -> str:
         f"- Reads >= 0.90x raw sequential (`O_DIRECT`): met for {len(seq)} of {len(direct)} "
         f"block sizes ({_sizes(seq) or 'none'}); shuffled >= 0.80x: {len(shuf)} of "
         f"{len(direct)}; writes >= 0.85x raw: {len(wr)} of {len(direct)}. "
-        + (
-            "A batch's blocks go to consecutive slots, so blocks read in the order they "
-            "were stored move in runs of consecutive slots, one I/O a run (at most 4 MiB, and "
-            f"short enough to keep {d.get('io_threads', 8):.0f} in flight, as many as the "
-            "tier's I/O threads); blocks asked for in another order, one slot per I/O. The "
-            'columns "raw, in order as the tier reads" and "raw, shuffled as the tier reads" '
-            "make the same I/Os with nothing else (in parentheses: the tier's read against "
-            "them). Where they are below the sequential read (one 4 MiB read at a time), "
-            "the device, not the tier, takes the difference."
-            if d.get("placement") == "clock"
-            else "A block sits in the set its hash picks, so the tier reads one slot per "
-            "call wherever a prompt's blocks follow each other: the column \"raw, the "
-            f"tier's pattern\" reads the same slot-sized calls in shuffled order, "
-            f"{d.get('io_threads', 8):.0f} in flight as the tier's I/O threads, and nothing "
-            "else (in parentheses: the tier's in-order read against it). Where it is below "
-            "the sequential read, the device, not the tier, takes the difference."
-        ),
+        "A batch's blocks go to consecutive slots, so blocks read in the order they were "
+        "stored move in runs of consecutive slots, one I/O a run (at most 4 MiB, and short "
+        f"enough to keep {d['io_threads']:.0f} in flight, as many as the tier's I/O "
+        "threads); blocks asked for in another order, one slot per I/O. The columns "
+        '"raw, in order as the tier reads" and "raw, shuffled as the tier reads" make the '
+        "same I/Os with nothing else (in parentheses: the tier's read against them). Where "
+        "they are below the sequential read (one 4 MiB read at a time), the device, not "
+        "the tier, takes the difference.",
         f"- Reads >= 1.5x Simple's one-I/O-at-a-time loop: met for {_sizes(fast) or 'none'}. "
         f"Out of reach on this device for {_sizes(capped) or 'none'}: there 1.5x Simple's loop "
         "is more than the raw sequential read (the loop already reads near the device's or "
@@ -648,14 +636,10 @@ def disk_tier_table() -> str:
         goals.append(
             f"- Scale{when}: the in-memory index of {ix['entries']:,.0f} slots (a 10 TB tier of "
             f"2 MiB blocks) takes **{ix['host_bytes_per_block']:.0f} bytes per block** "
-            f"(goal <= 64; every array's allocated capacity: "
-            + (
-                "1.5 index entries a slot, each a 16-bit tag and a 32-byte record of digest, "
-                "slot, recency and state, and a 4-byte owner per slot). "
-                if d.get("placement") == "clock"
-                else "16-bit tags and 32-byte records of digest, recency and state). "
-            )
-            + f"Lookups per CPU second, one core: hits "
+            "(goal <= 64; every array's allocated capacity: 1.5 index entries a slot, each a "
+            "16-bit tag and a 32-byte record of digest, slot, recency and state, and a 4-byte "
+            "owner per slot). "
+            f"Lookups per CPU second, one core: hits "
             f"{ix['hit_lookups_per_s'] / 1e6:.1f} M, misses {ix['miss_lookups_per_s'] / 1e6:.1f} M "
             f"one at a time; in batches of 64 with sets and records prefetched ahead (as "
             f"the tier's `exists` asks), hits {ix['batched_hit_lookups_per_s'] / 1e6:.1f} M, "
@@ -677,9 +661,8 @@ def disk_tier_table() -> str:
     rb = d.get("rebuild")
     if rb:
         per = rb["open_seconds"] / max(rb["blocks"], 1)
-        # The index file is a 4 KiB header and its entries (128 bytes each in runs
-        # that did not record it).
-        entry_bytes = int(rb.get("entry_bytes", 128))
+        # The index file is a 4 KiB header and its entries.
+        entry_bytes = int(rb["entry_bytes"])
         entries_per_slot = (rb["index_file_bytes"] - 4096) / entry_bytes / max(rb["slots"], 1)
         goals.append(
             f"- Restart: {rb['blocks']:,.0f} blocks recovered in {rb['open_seconds']:.2f} s "
@@ -692,26 +675,6 @@ def disk_tier_table() -> str:
             f"about {per * 5e6:.1f} s for 5 M blocks."
         )
     return f"{head}\n\n" + "\n".join(rows) + "\n\n" + "\n".join(goals) + "\n"
-
-
-def _runs_pattern(c: dict[str, Any]) -> str:
-    """The raw read of the tier's in-order runs, and the tier's in-order read against it."""
-    got = c["medians"].get("raw_read_runs_gbps")
-    if got is None:
-        return "—"
-    return f"{got:.2f} ({c['ratios']['read_seq_vs_raw_runs']:.2f}x)"
-
-
-def _pattern(c: dict[str, Any], placement: str | None) -> str:
-    """The raw read at the tier's access pattern of one slot per call, and the tier's read
-    that has it against it: the shuffled one where a batch's blocks sit in consecutive
-    slots, the in-order one where each block sat in the set its hash picked (older runs
-    did not measure it)."""
-    got = c["medians"].get("raw_read_slots_gbps")
-    if got is None:
-        return "—"
-    which = "read_shuffled_vs_raw_slots" if placement == "clock" else "read_seq_vs_raw_slots"
-    return f"{got:.2f} ({c['ratios'][which]:.2f}x)"
 
 
 def _spread(configs: list[dict[str, Any]]) -> float:

@@ -17,8 +17,10 @@
 //! measure), `KVOFFLOAD_BENCH_BLOCK_SIZES` (`65536,262144,2097152`: a 16-token block of a
 //! small model, of a 1B-class model, of an 8B model in bf16; empty skips), `KVOFFLOAD_BENCH_BYTES`
 //! (bytes read per run and size, 256 MiB), `KVOFFLOAD_BENCH_IO_THREADS` (the tier's I/O
-//! threads, `DEFAULT_IO_THREADS`), `KVOFFLOAD_BENCH_INDEX_ENTRIES` (5000000; 0
-//! skips), `KVOFFLOAD_BENCH_REBUILD_BLOCKS` (1000000; 0 skips), `PYTHON` (python3).
+//! threads, `DEFAULT_IO_THREADS`), `KVOFFLOAD_BENCH_BATCH` (blocks per fetch and per
+//! store, the worker's `FETCH_BATCH`), `KVOFFLOAD_BENCH_MODES` (`direct,page_cache`),
+//! `KVOFFLOAD_BENCH_INDEX_ENTRIES` (5000000; 0 skips), `KVOFFLOAD_BENCH_REBUILD_BLOCKS`
+//! (1000000; 0 skips), `PYTHON` (python3).
 //!
 //!     cargo bench -p offload-core --bench disk > docs/benchmarks/disk_tier.json
 
@@ -368,9 +370,6 @@ fn main() {
     let mut out = Obj::default()
         .num("runs", RUNS as f64)
         .num("batch", batch() as f64)
-        // A batch's blocks go to consecutive slots under a clock hand (file format 5);
-        // runs without this field placed each block in the set its hash picked.
-        .text("placement", "clock")
         .num("io_threads", io_threads() as f64)
         .num("bytes_per_run", total as f64)
         .text("dir", &dir.display().to_string())

@@ -45,22 +45,22 @@ impl DiskChanges {
 /// The per-entry record and the changes not taken yet.
 #[derive(Debug)]
 pub(crate) struct Journal {
-    slots: Vec<Option<Hash>>,
+    entries: Vec<Option<Hash>>,
     changes: DiskChanges,
 }
 
 impl Journal {
     pub(crate) fn new(entries: u64) -> Self {
         Self {
-            slots: vec![None; entries as usize],
+            entries: vec![None; entries as usize],
             changes: DiskChanges::default(),
         }
     }
 
-    /// Entry `slot` now describes the block `hash` (a hash of another length is not
+    /// Entry `entry` now describes the block `hash` (a hash of another length is not
     /// reported).
-    pub(crate) fn stored(&mut self, slot: u64, hash: &[u8]) {
-        let (Some(s), Ok(h)) = (self.slots.get_mut(slot as usize), Hash::try_from(hash)) else {
+    pub(crate) fn stored(&mut self, entry: u64, hash: &[u8]) {
+        let (Some(s), Ok(h)) = (self.entries.get_mut(entry as usize), Hash::try_from(hash)) else {
             return;
         };
         if *s == Some(h) {
@@ -72,16 +72,16 @@ impl Journal {
         self.changes.stored.push(h);
     }
 
-    /// The block of entry `slot` left the disk.
-    pub(crate) fn removed(&mut self, slot: u64) {
-        if let Some(h) = self.slots.get_mut(slot as usize).and_then(Option::take) {
+    /// The block of entry `entry` left the disk.
+    pub(crate) fn removed(&mut self, entry: u64) {
+        if let Some(h) = self.entries.get_mut(entry as usize).and_then(Option::take) {
             self.changes.gone(h);
         }
     }
 
     /// Every block left (the tier turned itself off).
     pub(crate) fn all_removed(&mut self) {
-        for h in self.slots.iter_mut().filter_map(Option::take) {
+        for h in self.entries.iter_mut().filter_map(Option::take) {
             self.changes.gone(h);
         }
     }
@@ -96,7 +96,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_slot_reports_its_block_once_and_its_removal_after_it() {
+    fn an_entry_reports_its_block_once_and_its_removal_after_it() {
         let mut j = Journal::new(2);
         j.stored(0, &[1; 16]);
         j.stored(0, &[1; 16]);

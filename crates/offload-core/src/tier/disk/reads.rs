@@ -14,7 +14,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use super::layout::key_digest;
-use super::runs::{consecutive_runs, RunResults, Wanted};
+use super::runs::{consecutive_runs, per_block, RunResults, Wanted};
 use super::stats::DiskStats;
 use super::store::DiskStore;
 use crate::tier::fill::through_get;
@@ -59,15 +59,7 @@ impl DiskStore {
         let s = &self.shared;
         let mut index = self.index();
         let mut out: Vec<Result<Option<R>, TierError>> = keys.iter().map(|_| Ok(None)).collect();
-        let reads = per_run.into_iter().flat_map(|(results, one_io)| {
-            let n = results.len();
-            // The blocks of a run read with one I/O share its error: counted once.
-            results
-                .into_iter()
-                .enumerate()
-                .map(move |(k, r)| (r, !one_io || k + 1 == n))
-        });
-        for (w, (read, counts)) in found.iter().zip(reads) {
+        for (w, (read, counts)) in found.iter().zip(per_block(per_run)) {
             index.end_read(w.at.entry);
             out[w.i] = match read {
                 Ok(Some(got)) => {

@@ -21,7 +21,7 @@ use super::aligned::AlignedBuf;
 use super::error::IoKind;
 use super::index::Location;
 use super::layout::{Entry, PayloadSum};
-use super::slot_io::{copy_summed, shape, whole_direct};
+use super::slot_io::{copy_summed, fill_summed, shape, whole_direct};
 use super::source::Block;
 use super::stats::DiskStats;
 use super::store::{DiskStore, Placed};
@@ -55,6 +55,21 @@ pub(super) fn consecutive_runs<T>(
         }
     }
     runs
+}
+
+/// The runs' results block by block, each with whether its error (if any) is to be
+/// counted: the blocks of a run moved with one I/O share its error, counted once (on the
+/// run's last block).
+pub(super) fn per_block<T>(
+    per_run: Vec<RunResults<T>>,
+) -> impl Iterator<Item = (Result<T, IoKind>, bool)> {
+    per_run.into_iter().flat_map(|(results, one_io)| {
+        let n = results.len();
+        results
+            .into_iter()
+            .enumerate()
+            .map(move |(k, r)| (r, !one_io || k + 1 == n))
+    })
 }
 
 /// A block a batch reads: its position among the batch's keys, its key digest, where
@@ -204,18 +219,7 @@ impl DiskStore {
                         sum.update(p);
                     }
                 }
-                Side::Buffer(buf) => {
-                    let dst = &mut buf.as_mut_slice()[..slot_bytes];
-                    let mut at = 0;
-                    for p in &b.payload {
-                        sum.update(p);
-                        dst[at..at + p.len()].copy_from_slice(p);
-                        at += p.len();
-                    }
-                    // A reused buffer holds another block's tail: zeroed, so nothing of
-                    // it reaches the disk.
-                    dst[at..].fill(0);
-                }
+                Side::Buffer(buf) => fill_summed(buf.as_mut_slice(), &b.payload, &mut sum),
             }
             sums.push(sum.finish());
             sides.push(side);
@@ -266,16 +270,7 @@ impl DiskStore {
         blocks: &[Result<Block<'_>, TierError>],
     ) -> Vec<(Result<(), IoKind>, bool)> {
         let runs = consecutive_runs(jobs, self.run_blocks(jobs.len()), |(_, at)| at.slot);
-        self.parallel(&runs, |r| self.write_run(&jobs[r.clone()], blocks))
-            .into_iter()
-            .flat_map(|(results, one_io)| {
-                let n = results.len();
-                results
-                    .into_iter()
-                    .enumerate()
-                    .map(move |(k, r)| (r, !one_io || k + 1 == n))
-            })
-            .collect()
+        per_block(self.parallel(&runs, |r| self.write_run(&jobs[r.clone()], blocks))).collect()
     }
 }
 

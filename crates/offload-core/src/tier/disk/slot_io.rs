@@ -77,6 +77,21 @@ pub(super) fn shape<P: AsRef<[u8]>>(parts: &[P]) -> Vec<(*const u8, usize)> {
         .collect()
 }
 
+/// Copies `payload` into the start of `buf` (a slot-sized bounce buffer), summing each
+/// piece into `sum` while it is in cache, and zeroes the rest: a reused buffer holds
+/// another block's tail, and nothing of it may reach the disk.
+pub(super) fn fill_summed(buf: &mut [u8], payload: &[&[u8]], sum: &mut PayloadSum) {
+    let mut at = 0;
+    for p in payload {
+        for piece in p.chunks(VERIFY_PIECE) {
+            buf[at..at + piece.len()].copy_from_slice(piece);
+            sum.update(piece);
+            at += piece.len();
+        }
+    }
+    buf[at..].fill(0);
+}
+
 /// Copies `from` over `parts` in order (the caller checked the lengths agree), summing
 /// each piece into `sum` while it is in cache.
 pub(super) fn copy_summed(mut from: &[u8], parts: &mut [&mut [u8]], sum: &mut PayloadSum) {
@@ -309,18 +324,7 @@ impl DiskStore {
     ) -> Result<(), IoKind> {
         let s = &self.shared;
         let mut buf = self.buffer();
-        let b = buf.as_mut_slice();
-        let mut at = 0;
-        for p in payload {
-            for piece in p.chunks(VERIFY_PIECE) {
-                b[at..at + piece.len()].copy_from_slice(piece);
-                sum.update(piece);
-                at += piece.len();
-            }
-        }
-        // A reused buffer holds another block's tail: the padding is zeroed so nothing
-        // of it reaches the disk.
-        b[at..].fill(0);
+        fill_summed(buf.as_mut_slice(), payload, sum);
         let written = s.data.write(buf.as_slice(), offset, &s.faults);
         self.give_back(buf);
         written?;
