@@ -6,8 +6,10 @@
 //! of a readable block's digest (0: nothing readable), one set's 64 tags in one aligned
 //! 128-byte line pair, so a lookup compares them with a few vector instructions and reads
 //! the full record only on a tag match (a miss finds a false tag match once in a thousand
-//! lookups); `records` holds the full digest, the block's slot, recency and state;
-//! `owners` says which entry each slot's block belongs to.
+//! lookups); `digests` holds the full digest, apart from `records` (the block's slot,
+//! recency and state) so that what a lookup reads, tags and digests, is half the index
+//! and stays in a large last-level cache; `owners` says which entry each slot's block
+//! belongs to.
 //!
 //! # Where a block goes
 //! Slots are handed out by a clock hand that sweeps the data file in order, so the
@@ -19,13 +21,14 @@
 //! an empty one, else the set's least recently used block goes too (rare: there are
 //! half again as many entries as slots, `layout::ENTRIES_PER_SLOT`).
 //!
-//! Per block of capacity: 1.5 entries of 34 bytes (tag and record) and a 4-byte owner,
-//! 55 bytes in all ([`SlotIndex::bytes_per_slot`]).
+//! Per block of capacity: 1.5 entries of 34 bytes (tag, digest and record) and a 4-byte
+//! owner, 55 bytes in all ([`SlotIndex::bytes_per_slot`]).
 //!
 //! # Invariants ([`SlotIndex::check_invariants`])
 //! - A slot's owner names an entry that is `Valid` or `Writing` and names that slot
 //!   back; every such entry is its slot's owner.
-//! - A set's tag is non-zero exactly where its entry is `Valid`, and is that digest's.
+//! - A set's tag is non-zero exactly where its entry is `Valid`, and is that digest's;
+//!   an empty entry's digest is zero.
 //! - `resident` counts the `Valid` entries.
 
 use super::layout::{Geometry, MAX_WAYS};
@@ -37,13 +40,10 @@ enum State {
     Writing,
 }
 
-/// One entry. `readers` counts reads in flight; such a block is not a victim.
-/// `referenced`: read (or stored again) since the clock hand last passed its slot. The
-/// digest is two halves, not a `u128`, so the record is 8-byte aligned and 32 bytes,
-/// not 48.
+/// One entry but its digest. `readers` counts reads in flight; such a block is not a
+/// victim. `referenced`: read (or stored again) since the clock hand last passed its slot.
 #[derive(Debug, Clone, Copy)]
 struct Record {
-    digest: [u64; 2],
     tick: u64,
     slot: u32,
     readers: u16,
@@ -52,7 +52,6 @@ struct Record {
 }
 
 const EMPTY: Record = Record {
-    digest: [0; 2],
     tick: 0,
     slot: 0,
     readers: 0,
@@ -60,11 +59,15 @@ const EMPTY: Record = Record {
     referenced: false,
 };
 
-fn halves(digest: u128) -> [u64; 2] {
+/// A digest as an entry keeps it: two halves, not a `u128`, so an entry's digest is
+/// 8-byte aligned and 16 bytes, four to a cache line.
+type Halves = [u64; 2];
+
+fn halves(digest: u128) -> Halves {
     [digest as u64, (digest >> 64) as u64]
 }
 
-fn whole(halves: [u64; 2]) -> u128 {
+fn whole(halves: Halves) -> u128 {
     u128::from(halves[0]) | u128::from(halves[1]) << 64
 }
 
@@ -158,6 +161,8 @@ pub(crate) struct Location {
 pub struct SlotIndex {
     geo: Geometry,
     tags: Vec<TagSet>,
+    /// Per entry: its block's digest (0 when empty).
+    digests: Vec<Halves>,
     records: Vec<Record>,
     /// Per slot: 1 + the entry whose block it holds (or is written with), 0 when free.
     owners: Vec<u32>,
@@ -171,6 +176,7 @@ impl SlotIndex {
         Self {
             geo,
             tags: huge_vec(geo.sets() as usize, TagSet([0; MAX_WAYS as usize])),
+            digests: huge_vec(geo.entries as usize, [0; 2]),
             records: huge_vec(geo.entries as usize, EMPTY),
             owners: huge_vec(geo.slots as usize, 0),
             hand: 0,
@@ -197,6 +203,7 @@ impl SlotIndex {
     /// Host bytes the index holds per slot: every array's allocated capacity.
     pub fn bytes_per_slot(&self) -> f64 {
         let bytes = self.tags.capacity() * std::mem::size_of::<TagSet>()
+            + self.digests.capacity() * std::mem::size_of::<Halves>()
             + self.records.capacity() * std::mem::size_of::<Record>()
             + self.owners.capacity() * std::mem::size_of::<u32>();
         bytes as f64 / self.geo.slots.max(1) as f64
@@ -266,13 +273,13 @@ impl SlotIndex {
         mask
     }
 
-    /// The first entry of `set` whose tag matched (`matches`) and whose record is `digest`.
+    /// The first entry of `set` whose tag matched (`matches`) and that holds `digest`.
     fn confirm(&self, set: usize, mut matches: u64, digest: u128) -> Option<u64> {
         let want = halves(digest);
         let first = set * self.geo.ways as usize;
         while matches != 0 {
             let i = first + matches.trailing_zeros() as usize;
-            if self.records[i].digest == want {
+            if self.digests[i] == want {
                 return Some(i as u64);
             }
             matches &= matches - 1;
@@ -292,7 +299,7 @@ impl SlotIndex {
 
     /// [`Self::find`] of every digest, into `out`, as a pipeline over each 64 digests:
     /// a key's tag set is prefetched `LOOKAHEAD` keys before its tags are compared, and
-    /// the record of its first tag match is prefetched `LOOKAHEAD` keys before it is
+    /// the digest of its first tag match is prefetched `LOOKAHEAD` keys before it is
     /// confirmed, so a batch's cache misses overlap instead of following each other.
     pub fn find_many(&self, digests: &[u128], out: &mut Vec<Option<u64>>) {
         out.clear();
@@ -316,7 +323,7 @@ impl SlotIndex {
                     let m = self.matches(sets[i], tag_of(chunk[i]));
                     found[i] = m;
                     if m != 0 {
-                        prefetch(&self.records[sets[i] * ways + m.trailing_zeros() as usize]);
+                        prefetch(&self.digests[sets[i] * ways + m.trailing_zeros() as usize]);
                     }
                 }
                 if let Some(j) = i.checked_sub(LOOKAHEAD) {
@@ -361,6 +368,7 @@ impl SlotIndex {
             self.owners[r.slot as usize] = 0;
         }
         self.records[entry] = EMPTY;
+        self.digests[entry] = [0; 2];
         *self.tag_mut(entry) = 0;
     }
 
@@ -406,7 +414,7 @@ impl SlotIndex {
         let want = halves(digest);
         if set
             .clone()
-            .any(|i| self.records[i].state == State::Writing && self.records[i].digest == want)
+            .any(|i| self.records[i].state == State::Writing && self.digests[i] == want)
         {
             // Another batch writes the same block now.
             return Placement::Present;
@@ -431,8 +439,8 @@ impl SlotIndex {
             evicted.push(entry as u64);
         }
         let t = self.tick();
+        self.digests[entry] = want;
         self.records[entry] = Record {
-            digest: want,
             tick: t,
             slot,
             readers: 0,
@@ -454,18 +462,17 @@ impl SlotIndex {
             self.evict(i);
             return;
         }
-        let r = &mut self.records[i];
-        r.state = State::Valid;
-        let tag = tag_of(whole(r.digest));
+        self.records[i].state = State::Valid;
+        let tag = tag_of(whole(self.digests[i]));
         self.resident += 1;
         *self.tag_mut(i) = tag;
     }
 
     /// Forgets the block of `entry` (it failed a check), if it is still `digest`'s.
     pub(crate) fn drop_entry(&mut self, entry: u64, digest: u128) {
-        let r = self.records[entry as usize];
-        if r.digest == halves(digest) && r.state == State::Valid {
-            self.evict(entry as usize);
+        let i = entry as usize;
+        if self.digests[i] == halves(digest) && self.records[i].state == State::Valid {
+            self.evict(i);
         }
     }
 
@@ -487,8 +494,8 @@ impl SlotIndex {
         if self.records[i].state != State::Empty {
             self.evict(i);
         }
+        self.digests[i] = halves(digest);
         self.records[i] = Record {
-            digest: halves(digest),
             tick: seq,
             slot: slot32,
             readers: 0,
@@ -518,8 +525,8 @@ impl SlotIndex {
             let tag = self.tags[i / self.geo.ways as usize].0[i % self.geo.ways as usize];
             match r.state {
                 State::Empty => {
-                    if tag != 0 {
-                        return Err(format!("empty entry {i} has tag {tag}"));
+                    if tag != 0 || self.digests[i] != [0; 2] {
+                        return Err(format!("empty entry {i} has tag {tag} or a digest"));
                     }
                 }
                 State::Valid | State::Writing => {
@@ -528,7 +535,7 @@ impl SlotIndex {
                     }
                     let want = if r.state == State::Valid {
                         valid += 1;
-                        tag_of(whole(r.digest))
+                        tag_of(whole(self.digests[i]))
                     } else {
                         0
                     };
