@@ -637,11 +637,12 @@ def disk_tier_table() -> str:
             f"- Scale{when}: the in-memory index of {ix['entries']:,.0f} slots (a 10 TB tier of "
             f"2 MiB blocks) takes **{ix['host_bytes_per_block']:.0f} bytes per block** "
             "(goal <= 64; every array's allocated capacity: 1.5 index entries a slot, each a "
-            "16-bit tag and a 32-byte record of digest, slot, recency and state, and a 4-byte "
-            "owner per slot). "
+            "16-bit tag, a 16-byte digest and a 16-byte record of slot, recency and state, "
+            "and a 4-byte owner per slot; tags and digests, what a lookup reads, are arrays "
+            "of their own). "
             f"Lookups per CPU second, one core: hits "
             f"{ix['hit_lookups_per_s'] / 1e6:.1f} M, misses {ix['miss_lookups_per_s'] / 1e6:.1f} M "
-            f"one at a time; in batches of 64 with sets and records prefetched ahead (as "
+            f"one at a time; in batches of 64 with sets and digests prefetched ahead (as "
             f"the tier's `exists` asks), hits {ix['batched_hit_lookups_per_s'] / 1e6:.1f} M, "
             f"misses {ix['batched_miss_lookups_per_s'] / 1e6:.1f} M. "
             + (
@@ -649,12 +650,12 @@ def disk_tier_table() -> str:
                 + (
                     "."
                     if ix["hit_lookups_per_s"] >= 50e6
-                    else "; a lone hit waits for its set and then its record, two memory "
+                    else "; a lone hit waits for its set and then its digest, two memory "
                     "latencies, so one at a time stays below it."
                 )
                 if best >= 50e6
                 else "Goal >= 50 M/s **not met**: at this size every lookup is a random "
-                "access to a set's tags in memory, and a hit one more to its record; the "
+                "access to a set's tags in memory, and a hit one more to its digest; the "
                 "figure is this VM's memory latency divided by the misses a core overlaps."
             )
         )

@@ -270,7 +270,7 @@ class TransferEngine:
         regions: Sequence[tuple[int, int, int, int]],
         num_cpu_blocks: int,
         tensors: Sequence[Any],
-        hugepages: bool = False,
+        hugepages: bool = True,
         backend: Literal["host", "cuda"] = "host",
         device: int = 0,
         cuda_batch: bool = True,
@@ -280,7 +280,7 @@ class TransferEngine:
     def _unchecked(
         regions: Sequence[tuple[int, int, int, int]],
         num_cpu_blocks: int,
-        hugepages: bool = False,
+        hugepages: bool = True,
         backend: Literal["host", "cuda"] = "host",
         device: int = 0,
         cuda_batch: bool = True,

@@ -53,8 +53,14 @@ fn errno_text(errno: &i32) -> String {
 /// How to allocate a [`HostMemory`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostMemoryOptions {
-    /// Align the mapping to 2 MiB and advise `MADV_HUGEPAGE`. Failure to advise (THP disabled)
-    /// is logged and ignored: huge pages are an optimisation, never a requirement.
+    /// Align the mapping to 2 MiB and advise `MADV_HUGEPAGE` (the default). Failure to
+    /// advise (THP disabled) is logged and ignored: huge pages are an optimisation, never a
+    /// requirement. They matter most for direct disk I/O into the blocks: a device request
+    /// takes a bounded number of physically contiguous segments (254 on a virtio disk), so
+    /// a 64 KiB layer slice on 4 KiB pages is up to 16 segments and a 4 MiB read is split
+    /// in five requests, where on 2 MiB pages it is one segment and one request (measured:
+    /// 2 MiB blocks read from disk at 1.1-1.4 GB/s on 4 KiB pages, 2.0 GB/s on huge pages,
+    /// raw `dd` 1.6-2.2). Copies in and out of the pool miss the TLB less too.
     pub hugepages: bool,
     /// Fault every page in at allocation time. Turn off only for tests or for callers that
     /// will touch the memory themselves.
@@ -66,7 +72,7 @@ pub struct HostMemoryOptions {
 impl Default for HostMemoryOptions {
     fn default() -> Self {
         Self {
-            hugepages: false,
+            hugepages: true,
             first_touch: true,
             touch_threads: None,
         }
@@ -93,7 +99,7 @@ unsafe impl Send for HostMemory {}
 unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
-    /// Maps `len` bytes with the default options (first touch on, no huge pages).
+    /// Maps `len` bytes with the default options (first touch on, huge pages advised).
     pub fn new(len: usize) -> Result<Self, MemoryError> {
         Self::with_options(len, &HostMemoryOptions::default())
     }
@@ -337,6 +343,19 @@ mod tests {
         // SAFETY: `mem` is ours alone and `len` bytes long.
         let bytes = unsafe { std::slice::from_raw_parts(mem.as_ptr(), len) };
         assert!(bytes.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn the_default_mapping_asks_for_huge_pages() {
+        let mem = HostMemory::new(4 << 20).unwrap();
+        assert_eq!(mem.as_ptr() as usize % HUGE_PAGE_BYTES, 0);
+        assert!(mem.hugepages() || !thp_enabled());
+    }
+
+    /// Whether the kernel lets a mapping ask for transparent huge pages at all.
+    fn thp_enabled() -> bool {
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .is_ok_and(|s| !s.contains("[never]"))
     }
 
     #[test]

@@ -128,7 +128,7 @@ impl PyTransferEngine {
     /// see `offload_core::transfer::FaultPlan`); `None` injects nothing.
     #[new]
     #[pyo3(signature = (
-        regions, num_cpu_blocks, tensors, hugepages = false, backend = "host", device = 0,
+        regions, num_cpu_blocks, tensors, hugepages = true, backend = "host", device = 0,
         cuda_batch = true, faults = None
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -160,7 +160,7 @@ impl PyTransferEngine {
     /// checks regions against registered tensors, everywhere else.
     #[staticmethod]
     #[pyo3(signature = (
-        regions, num_cpu_blocks, hugepages = false, backend = "host", device = 0,
+        regions, num_cpu_blocks, hugepages = true, backend = "host", device = 0,
         cuda_batch = true, faults = None
     ))]
     #[allow(clippy::too_many_arguments)]
