@@ -3,7 +3,7 @@
 measures, in one run on the same disk, for 64 KiB, 256 KiB and 2 MiB blocks, with
 ``O_DIRECT`` and with the page cache: the tier's reads and writes, raw sequential I/O as
 ``dd iflag=direct bs=4M`` does it, and a Python copy of Simple's one-``preadv``-at-a-time
-read loop with two buffer slots, medians of 5 interleaved runs; the checksum's cost; the
+read loop with two buffer slots, medians of 9 interleaved runs; the checksum's cost; the
 in-memory index at 5 M entries; the index rebuild at restart) and stores its result with
 the machine and the file system it ran on.
 

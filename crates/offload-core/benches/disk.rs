@@ -42,7 +42,9 @@ use offload_core::tier::disk::{
 use offload_core::tier::value::{checksum_ok, copy_verified, encode};
 use offload_core::tier::{LayoutFingerprint, FETCH_BATCH};
 
-const RUNS: usize = 5;
+/// Interleaved runs per figure: this virtual disk varies by up to 30% from one run to the
+/// next, so a median of nine moves less than the five the goals ask for at least.
+const RUNS: usize = 9;
 const FP: LayoutFingerprint = LayoutFingerprint(0xbe9c);
 
 const NAMES: [&str; 8] = [
