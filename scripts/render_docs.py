@@ -609,7 +609,10 @@ def disk_tier_table() -> str:
         '"raw, in order as the tier reads" and "raw, shuffled as the tier reads" make the '
         "same I/Os with nothing else (in parentheses: the tier's read against them). Where "
         "they are below the sequential read (one 4 MiB read at a time), the device, not "
-        "the tier, takes the difference.",
+        "the tier, takes the difference. The CPU blocks the tier reads into and writes "
+        "from are on huge pages (the CPU pool asks for them by default), so a layer slice "
+        "of a page or more is one segment of a device request; the raw reads' buffers are "
+        "on ordinary pages, as `dd`'s are, which is how the tier can beat them.",
         f"- Reads >= 1.5x Simple's one-I/O-at-a-time loop: met for {_sizes(fast) or 'none'}. "
         f"Out of reach on this device for {_sizes(capped) or 'none'}: there 1.5x Simple's loop "
         "is more than the raw sequential read (the loop already reads near the device's or "
