@@ -37,7 +37,7 @@ cargo run --release -q -p offload-core --example embedded_server
 cargo run --release -q -p offload-core --example disk_tier "${TMPDIR:-/tmp}/kvoffload-disk-example-$$"
 
 step "cargo doc (no warnings)"
-RUSTDOCFLAGS="-D warnings" cargo doc -p offload-core --no-deps -q
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 
 # `cargo test` on this x86_64 machine never compiles the NEON kernel; this cross-builds the
 # value checksum's own files for aarch64 with Debian's toolchain and runs them under qemu

@@ -1,7 +1,7 @@
 //! `kvoffload._native`: thin PyO3 bindings over `offload-core`.
 //!
 //! Type conversion and error mapping; every decision is in the core. What reads vLLM's
-//! own structures (its scheduler output, free queue, running requests) is in [`vllm`].
+//! own structures (its scheduler output, free queue, running requests) is in the `vllm` module.
 
 mod config;
 mod convert;
