@@ -5,10 +5,10 @@
 //! Entries are grouped in sets as the index file's are (`layout`): `tags` holds 16 bits
 //! of a readable block's digest (0: nothing readable), one set's 64 tags in one aligned
 //! 128-byte line pair, so a lookup compares them with a few vector instructions and reads
-//! the full record only on a tag match (a miss finds a false tag match once in a thousand
-//! lookups); `digests` holds the full digest, apart from `records` (the block's slot,
-//! recency and state) so that what a lookup reads, tags and digests, is half the index
-//! and stays in a large last-level cache; `owners` says which entry each slot's block
+//! the full digest only on a tag match (a miss finds a false tag match once in a thousand
+//! lookups); `digests` holds the full digests, apart from `records` (the block's slot,
+//! recency and state), so what a lookup reads, tags and digests, is half the index and
+//! more of it stays in the last-level cache; `owners` says which entry each slot's block
 //! belongs to.
 //!
 //! # Where a block goes
