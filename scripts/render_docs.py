@@ -586,8 +586,7 @@ def disk_tier_table() -> str:
     capped = [
         c
         for c in configs
-        if c not in fast
-        and 1.5 * c["medians"]["python_simple_read_gbps"] > max(_raw_reads(c))
+        if c not in fast and 1.5 * c["medians"]["python_simple_read_gbps"] > max(_raw_reads(c))
     ]
     short = [c for c in configs if c not in fast and c not in capped]
     ck_ok = [c for c in configs if _checksum_share(c, ck) <= 0.10]
@@ -620,8 +619,7 @@ def disk_tier_table() -> str:
         "the device's or the page cache copy's speed). Below the goal: "
         + (
             ", ".join(
-                f"{_size(c['block_bytes'])} {_io(c)} "
-                f"({c['ratios']['read_vs_python_simple']:.2f}x)"
+                f"{_size(c['block_bytes'])} {_io(c)} ({c['ratios']['read_vs_python_simple']:.2f}x)"
                 for c in short
             )
             or "none"
