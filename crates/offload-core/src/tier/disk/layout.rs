@@ -265,6 +265,14 @@ impl PayloadSum {
         self.sum.update(piece);
     }
 
+    /// Adds `parts` in order: a block's slices after an `O_DIRECT` transfer, which leaves
+    /// nothing in cache to sum on the way.
+    pub(crate) fn update_all<P: AsRef<[u8]>>(&mut self, parts: &[P]) {
+        for p in parts {
+            self.sum.update(p.as_ref());
+        }
+    }
+
     /// The sum of the pieces given, bound to the key digest.
     pub(crate) fn finish(&self) -> u64 {
         let payload = self.sum.finish().to_le_bytes();

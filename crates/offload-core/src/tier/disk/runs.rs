@@ -163,11 +163,7 @@ impl DiskStore {
                 }
                 (Ok(()), Side::Slices) => {
                     DiskStats::add(&s.stats.direct_reads, 1);
-                    // `O_DIRECT` leaves the bytes in memory, not in cache: one pass after
-                    // the read.
-                    for piece in p.iter() {
-                        sum.update(piece);
-                    }
+                    sum.update_all(p);
                     Ok(())
                 }
                 (Ok(()), Side::Buffer(b)) => {
@@ -214,11 +210,7 @@ impl DiskStore {
             let mut sum = PayloadSum::new(at.digest);
             let mut side = self.side(&b.payload);
             match &mut side {
-                Side::Slices => {
-                    for p in &b.payload {
-                        sum.update(p);
-                    }
-                }
+                Side::Slices => sum.update_all(&b.payload),
                 Side::Buffer(buf) => fill_summed(buf.as_mut_slice(), &b.payload, &mut sum),
             }
             sums.push(sum.finish());

@@ -139,16 +139,10 @@ impl DiskStore {
             s.data
                 .read_parts(parts, offset, &s.faults, SUM_GROUP, |p| sum.update(p))?;
         } else {
-            let shape: Vec<(*const u8, usize)> =
-                parts.iter().map(|p| (p.as_ptr(), p.len())).collect();
-            match direct_split(&shape, s.data.align()) {
+            match direct_split(&shape(parts), s.data.align()) {
                 Some(split) => {
                     self.read_direct(offset, parts, &split)?;
-                    // `O_DIRECT` leaves the bytes in memory, not in cache: one pass after
-                    // the read.
-                    for p in parts.iter() {
-                        sum.update(p);
-                    }
+                    sum.update_all(parts);
                 }
                 None => self.read_bounced(offset, parts, &mut sum)?,
             }
@@ -243,16 +237,9 @@ impl DiskStore {
                     sum.update(p)
                 })?;
         } else {
-            let shape: Vec<(*const u8, usize)> = block
-                .payload
-                .iter()
-                .map(|p| (p.as_ptr(), p.len()))
-                .collect();
-            match direct_split(&shape, s.data.align()) {
+            match direct_split(&shape(&block.payload), s.data.align()) {
                 Some(split) => {
-                    for p in &block.payload {
-                        sum.update(p);
-                    }
+                    sum.update_all(&block.payload);
                     self.write_direct(offset, &block.payload, &split)?;
                 }
                 None => self.write_bounced(offset, &block.payload, &mut sum)?,
