@@ -58,9 +58,9 @@ pub struct HostMemoryOptions {
     /// requirement. They matter most for direct disk I/O into the blocks: a device request
     /// takes a bounded number of physically contiguous segments (254 on a virtio disk), so
     /// a 64 KiB layer slice on 4 KiB pages is up to 16 segments and a 4 MiB read is split
-    /// in five requests, where on 2 MiB pages it is one segment and one request (measured:
-    /// 2 MiB blocks read from disk at 1.1-1.4 GB/s on 4 KiB pages, 2.0 GB/s on huge pages,
-    /// raw `dd` 1.6-2.2). Copies in and out of the pool miss the TLB less too.
+    /// in five requests, where on 2 MiB pages it is one segment and one request (the disk
+    /// bench, `benches/disk.rs`, shows the difference at 2 MiB blocks). Copies in and out
+    /// of the pool miss the TLB less too.
     pub hugepages: bool,
     /// Fault every page in at allocation time. Turn off only for tests or for callers that
     /// will touch the memory themselves.
