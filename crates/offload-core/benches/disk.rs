@@ -95,6 +95,8 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
     let store = DiskStore::open(&opts).expect("open the tier");
     // What one I/O of the tier's in-order reads moves, for the raw read at that pattern.
     let run_bytes = store.run_blocks(batch) as u64 * slot;
+    // The tier's reads in flight at once, which the raw reads "as the tier reads" match.
+    let width = store.io_threads();
     let mut t = tier(&store);
     let cpu = CpuBlocks::new(block, batch as u32);
     for id in 0..batch as u32 {
@@ -125,10 +127,9 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
             .collect();
         runs[4].push(tier_read(&mut t, &cpu, &order, block, batch));
         runs[5].push(python_simple_loop(&py_path, py_block, n, direct));
-        let threads = opts.io_threads;
-        runs[6].push(raw_pieces(&raw_path, raw_len, slot, threads, direct, true));
+        runs[6].push(raw_pieces(&raw_path, raw_len, slot, width, direct, true));
         runs[7].push(raw_pieces(
-            &raw_path, raw_len, run_bytes, threads, direct, false,
+            &raw_path, raw_len, run_bytes, width, direct, false,
         ));
     }
     let direct_io = store.is_direct();
@@ -157,6 +158,7 @@ fn bandwidth(dir: &Path, block: usize, page_cache: bool, total: u64) -> (Obj, [f
         .num("block_bytes", block as f64)
         .text("mode", if page_cache { "page_cache" } else { "direct" })
         .num("direct_io", f64::from(u8::from(direct_io)))
+        .num("io_threads", width as f64)
         .num("blocks", n as f64)
         .obj("medians", medians)
         .obj("ratios", ratios)

@@ -47,6 +47,26 @@ fn round_trip_is_byte_exact_direct_and_buffered() {
 }
 
 #[test]
+fn page_cache_io_runs_on_no_more_threads_than_cores_and_direct_io_on_all_asked_for() {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let asked = 4 * cores + 1;
+    for page_cache in [false, true] {
+        let s = Scratch::new("width");
+        let mut o = options(&s.rank_path(), ODD, 32);
+        o.use_page_cache = page_cache;
+        o.io_threads = asked;
+        let store = DiskStore::open(&o).unwrap();
+        let want = if store.is_direct() { asked } else { cores };
+        assert_eq!(store.io_threads(), want, "page_cache {page_cache}");
+        // Every width still moves every block.
+        let mut t = tier(&store);
+        assert_eq!(store_blocks(&mut t, 0..20, ODD), 20);
+        let got = fetch_blocks(&mut t, &(0..20).collect::<Vec<_>>(), ODD);
+        assert_eq!(got, vec![Some(true); 20], "page_cache {page_cache}");
+    }
+}
+
+#[test]
 fn capacity_is_reserved_and_never_exceeded_with_lru_eviction() {
     let s = Scratch::new("cap");
     let o = options(&s.rank_path(), ODD, 4);

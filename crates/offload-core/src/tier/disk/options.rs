@@ -28,7 +28,8 @@ pub struct DiskOptions {
     pub use_page_cache: bool,
     /// Keep the files at shutdown and serve them after a restart.
     pub persist: bool,
-    /// Most I/Os of one batch in flight at once.
+    /// Most I/Os of one batch in flight at once with `O_DIRECT`; through the page cache
+    /// no more than the machine's cores (see [`DiskStore::io_threads`](super::DiskStore::io_threads)).
     pub io_threads: usize,
     /// Faults to inject (tests).
     pub faults: FaultPlan,
@@ -53,6 +54,20 @@ pub fn capacity_for_blocks(blocks: u64, block_bytes: u64) -> Option<u64> {
 }
 
 impl DiskOptions {
+    /// I/Os of one batch in flight at once on files opened `direct` or not: with
+    /// `O_DIRECT` the device's queue sets the pace, so [`Self::io_threads`]; through the
+    /// page cache each read or write is the kernel copying on a core, and threads beyond
+    /// the cores only take turns on them (measured slower on two cores, `benches/disk.rs`
+    /// with `KVOFFLOAD_BENCH_IO_THREADS`), so no more than the cores.
+    pub(super) fn io_width(&self, direct: bool) -> usize {
+        let wanted = self.io_threads.max(1);
+        if direct {
+            return wanted;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        wanted.min(cores)
+    }
+
     /// Options with the defaults: `O_DIRECT`, not persisted, no faults.
     pub fn new(
         path: impl Into<PathBuf>,

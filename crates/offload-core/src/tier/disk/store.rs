@@ -161,6 +161,7 @@ impl DiskStore {
         );
         DiskStats::set(&stats.resident_blocks, index.resident());
         let seq = index.clock();
+        let io_threads = opts.io_width(data.is_direct());
         Ok(Self {
             shared: Arc::new(Shared {
                 files,
@@ -172,8 +173,8 @@ impl DiskStore {
                 faults: DiskFaults::new(opts.faults),
                 persist: opts.persist,
                 data_named,
-                io_threads: opts.io_threads.max(1),
-                io: IoPool::new(opts.io_threads.max(1)),
+                io_threads,
+                io: IoPool::new(io_threads),
                 consecutive_errors: AtomicU64::new(0),
                 disabled: AtomicBool::new(false),
                 seq: AtomicU64::new(seq),
@@ -210,6 +211,12 @@ impl DiskStore {
         if let Some(j) = &self.shared.journal {
             record(&mut j.lock().unwrap_or_else(PoisonError::into_inner));
         }
+    }
+
+    /// I/Os one batch has in flight at most: [`DiskOptions::io_threads`] with `O_DIRECT`,
+    /// no more than the machine's cores through the page cache.
+    pub fn io_threads(&self) -> usize {
+        self.shared.io_threads
     }
 
     /// Whether reads and writes bypass the page cache.
