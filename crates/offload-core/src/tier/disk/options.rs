@@ -57,8 +57,8 @@ impl DiskOptions {
     /// I/Os of one batch in flight at once on files opened `direct` or not: with
     /// `O_DIRECT` the device's queue sets the pace, so [`Self::io_threads`]; through the
     /// page cache each read or write is the kernel copying on a core, and threads beyond
-    /// the cores only take turns on them (measured slower on two cores, `benches/disk.rs`
-    /// with `KVOFFLOAD_BENCH_IO_THREADS`), so no more than the cores.
+    /// the cores only take turns on them (on two cores, 8 threads read and wrote slower
+    /// than 2 in `benches/disk.rs`, measured before this cap), so no more than the cores.
     pub(super) fn io_width(&self, direct: bool) -> usize {
         let wanted = self.io_threads.max(1);
         if direct {
